@@ -1,0 +1,50 @@
+"""MXFP4 (OCP microscaling, e2m1 elements + E8M0 block scale) in NumPy.
+
+Checkpoint layout (openai/gpt-oss): `*_blocks [..., n_blocks, 16]` uint8 and
+`*_scales [..., n_blocks]` uint8. Byte j of a block holds element 2j in its low
+nibble and element 2j+1 in its high nibble; the scale byte s means 2**(s - 127).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+E8M0_BIAS = 127
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+
+
+def decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """`blocks [..., nb, 16] u8`, `scales [..., nb] u8` -> float32 `[..., nb * 32]`."""
+    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"mxfp4 shapes disagree: blocks {blocks.shape}, scales {scales.shape}")
+    lo = E2M1_VALUES[blocks & 0x0F]
+    hi = E2M1_VALUES[blocks >> 4]
+    vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
+    scale = np.ldexp(np.float32(1.0), scales.astype(np.int32) - E8M0_BIAS).astype(np.float32)
+    vals = vals * scale[..., None]
+    return vals.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK)
+
+
+def encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float `[..., n]` (n % 32 == 0) -> (`blocks [..., n/32, 16] u8`, `scales [..., n/32] u8`).
+
+    Round-to-nearest onto the e2m1 grid; the block exponent is chosen so the
+    block's largest magnitude lands at or below 6 (OCP MX rule: floor(log2 amax) - 2).
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"last dim {w.shape[-1]} is not a multiple of {BLOCK}")
+    x = w.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
+    amax = np.abs(x).max(axis=-1)
+    exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-38))) - 2, -E8M0_BIAS)
+    exp = np.clip(exp, -E8M0_BIAS, 127).astype(np.int32)
+    scaled = x / np.ldexp(np.float32(1.0), exp)[..., None]
+    grid = E2M1_VALUES[:8]
+    idx = np.abs(np.abs(scaled)[..., None] - grid).argmin(axis=-1).astype(np.uint8)
+    codes = idx | np.where(np.signbit(scaled) & (idx > 0), 8, 0).astype(np.uint8)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, (exp + E8M0_BIAS).astype(np.uint8)

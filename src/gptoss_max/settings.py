@@ -1,0 +1,27 @@
+"""Every environment variable the project reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _env_path(name: str, default: Path) -> Path:
+    value = os.environ.get(name)
+    return Path(value).expanduser() if value else default
+
+
+def cache_dir() -> Path:
+    """Derived files (tokenizer data, built kernels): `GPTOSS_MAX_CACHE`."""
+    xdg = _env_path("XDG_CACHE_HOME", Path.home() / ".cache")
+    return _env_path("GPTOSS_MAX_CACHE", xdg / "gptoss-max")
+
+
+def data_dir() -> Path:
+    """Persistent state (the response store, the tiny model): `GPTOSS_MAX_DATA`."""
+    return _env_path("GPTOSS_MAX_DATA", Path.home() / ".local" / "share" / "gptoss-max")
+
+
+def api_key() -> str | None:
+    """Optional bearer key required by the server: `GPTOSS_MAX_API_KEY`."""
+    return os.environ.get("GPTOSS_MAX_API_KEY") or None

