@@ -32,15 +32,15 @@ def decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float `[..., n]` (n % 32 == 0) -> (`blocks [..., n/32, 16] u8`, `scales [..., n/32] u8`).
 
-    Round-to-nearest onto the e2m1 grid; the block exponent is chosen so the
-    block's largest magnitude lands at or below 6 (OCP MX rule: floor(log2 amax) - 2).
+    Round-to-nearest onto the e2m1 grid; the block exponent is the smallest that
+    brings the block's largest magnitude to 6 or below, so nothing is clipped.
     """
     w = np.asarray(w, dtype=np.float32)
     if w.shape[-1] % BLOCK:
         raise ValueError(f"last dim {w.shape[-1]} is not a multiple of {BLOCK}")
     x = w.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
     amax = np.abs(x).max(axis=-1)
-    exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-38))) - 2, -E8M0_BIAS)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 6.0)), -E8M0_BIAS)
     exp = np.clip(exp, -E8M0_BIAS, 127).astype(np.int32)
     scaled = x / np.ldexp(np.float32(1.0), exp)[..., None]
     grid = E2M1_VALUES[:8]
