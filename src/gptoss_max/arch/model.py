@@ -1,0 +1,98 @@
+"""`GptOssForCausalLM` for MAX: the stock gpt_oss graph with our MoE (and, on CPU, our attention)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, ClassVar
+
+from max.dtype import DType
+from max.graph import DeviceRef
+
+from gptoss_max import maxapi
+from gptoss_max.arch import cpu_shims
+from gptoss_max.arch.moe import NativeMoE
+from gptoss_max.arch.weights import adapt_state_dict
+from gptoss_max.config import ModelSpec
+from gptoss_max.kernels import kernels_path
+
+logger = logging.getLogger("gptoss_max")
+
+
+def on_cpu(devices: list[DeviceRef]) -> bool:
+    return all(d.device_type.value == "cpu" for d in devices)
+
+
+class NativeGptOssConfig(maxapi.GptOssConfig):
+    SUPPORTED_ENCODINGS: ClassVar[set[Any]] = {"float32", "bfloat16", "float4_e2m1fnx2"}
+    mxfp4_experts: bool = True
+
+    def finalize(self, huggingface_config: Any, state_dict: dict[str, Any], return_logits: Any) -> None:
+        super().finalize(huggingface_config, state_dict, return_logits)
+        self.quant_config = None  # the experts are ours; nothing else in gpt-oss is quantized
+        self.mxfp4_experts = any(k.endswith(".experts.gate_up_blocks") for k in state_dict)
+
+
+class NativeGptOss(maxapi.StockGptOss):
+    """MAX's GptOss module with each layer's mlp replaced by `NativeMoE`."""
+
+    def __init__(self, config: NativeGptOssConfig) -> None:
+        cpu = on_cpu(config.devices)
+        guard = cpu_shims.cpu_model_construction() if cpu else contextlib.nullcontext()
+        with guard:
+            super().__init__(config)
+        for block in self.language_model.layers:
+            moe = NativeMoE(
+                hidden=config.hidden_size,
+                inter=config.intermediate_size,
+                experts=config.num_local_experts,
+                top_k=config.num_experts_per_tok,
+                mxfp4=config.mxfp4_experts,
+                dtype=config.dtype,
+                device=config.devices[0],
+            )
+            block.mlp = moe
+            block.mlp_shards = [moe]
+            if cpu:
+                cpu_shims.use_cpu_attention(block)
+
+
+class NativeGptOssModel(maxapi.GptOssModel):
+    model_config_cls: ClassVar[type[Any]] = NativeGptOssConfig
+
+    def _load_state_dict(self) -> dict[str, Any]:
+        spec = ModelSpec.from_hf(self.huggingface_config.to_dict())
+        encoding = self.pipeline_config.model.quantization_encoding or "bfloat16"
+        dtype = DType.float32 if encoding == "float32" else DType.bfloat16
+        self._language_weights_dict = adapt_state_dict(dict(self.weights.items()), spec, dtype)
+        return self._language_weights_dict
+
+    def _create_model_config(self, state_dict: dict[str, Any]) -> NativeGptOssConfig:
+        config = NativeGptOssConfig.initialize(self.pipeline_config, max_seq_len=self.max_seq_len)
+        config.finalize(
+            huggingface_config=self.huggingface_config,
+            state_dict=state_dict,
+            return_logits=self.return_logits,
+        )
+        return config
+
+    def graph_specs(self, model_config: NativeGptOssConfig) -> dict[str, maxapi.GraphSpec]:
+        nn_model = NativeGptOss(model_config)
+        nn_model.load_state_dict(self._language_weights_dict, weight_alignment=1, strict=True)
+        self._language_weights_dict = {}
+        return {
+            maxapi.GraphRole.DECODER: maxapi.GraphSpec(
+                nn_model,
+                "GptOssMax",
+                self._bind_graph_inputs(nn_model.input_tree()),
+                weights=nn_model.state_dict(auto_initialize=False),
+                custom_extensions=[kernels_path()],
+            )
+        }
+
+
+class NativeMemoryPlanner(maxapi.GptOssMemoryPlanner):
+    """No BF16 dequant buffer: experts stay MXFP4. Reserve only a workspace for activations."""
+
+    def estimate_activation_memory(self, pipeline_config: Any, huggingface_config: Any) -> int:
+        return 2 * 1024**3

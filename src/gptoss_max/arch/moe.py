@@ -1,0 +1,92 @@
+"""The gpt-oss MoE block with experts computed by our Mojo op; the router is MAX's Linear.
+
+Expert weights stay as stored: MXFP4 (blocks, scales) uint8 pairs or bf16; never
+expanded to a BF16 copy of the expert stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from max.dtype import DType
+from max.graph import DeviceRef, ShardingStrategy, TensorValue, Weight, ops
+from max.nn.layer import Module
+from max.nn.linear import Linear
+
+from gptoss_max.kernels import ops as moe_ops
+
+
+class ExpertWeights(Module):
+    """`[E, out, in]`-major expert tensors, gate/up rows interleaved (gate = even rows)."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, mxfp4: bool, dtype: DType, device: DeviceRef):
+        super().__init__()
+        self.mxfp4 = mxfp4
+
+        def w(name: str, dt: DType, shape: list[int]) -> Weight:
+            return Weight(name=name, dtype=dt, shape=shape, device=device)
+
+        if mxfp4:
+            self.gate_up_blocks = w("gate_up_blocks", DType.uint8, [experts, 2 * inter, hidden // 2])
+            self.gate_up_scales = w("gate_up_scales", DType.uint8, [experts, 2 * inter, hidden // 32])
+            self.down_blocks = w("down_blocks", DType.uint8, [experts, hidden, inter // 2])
+            self.down_scales = w("down_scales", DType.uint8, [experts, hidden, inter // 32])
+        else:
+            self.gate_up_weight = w("gate_up_weight", dtype, [experts, 2 * inter, hidden])
+            self.down_weight = w("down_weight", dtype, [experts, hidden, inter])
+        self.gate_up_bias = w("gate_up_bias", DType.float32, [experts, 2 * inter])
+        self.down_bias = w("down_bias", DType.float32, [experts, hidden])
+
+    def __call__(self, x: TensorValue, ids: TensorValue, weights: TensorValue) -> TensorValue:
+        if self.mxfp4:
+            return moe_ops.moe_mxfp4(
+                x, ids, weights,
+                self.gate_up_blocks, self.gate_up_scales, self.gate_up_bias,
+                self.down_blocks, self.down_scales, self.down_bias,
+            )  # fmt: skip
+        return moe_ops.moe_bf16(
+            x, ids, weights, self.gate_up_weight, self.gate_up_bias, self.down_weight, self.down_bias
+        )
+
+
+class NativeMoE(Module):
+    """router (Linear + bias) -> top-k -> softmax over the k -> experts (our op)."""
+
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        inter: int,
+        experts: int,
+        top_k: int,
+        mxfp4: bool,
+        dtype: DType,
+        device: DeviceRef,
+    ):
+        super().__init__()
+        self.top_k = top_k
+        self.router = Linear(hidden, experts, dtype=dtype, device=device, has_bias=True)
+        self.experts = ExpertWeights(experts, hidden, inter, mxfp4, dtype, device)
+        self._strategy: ShardingStrategy | None = None
+
+    def __call__(self, x: TensorValue) -> TensorValue:  # x: [T, H]
+        logits = self.router(x)  # [T, E]
+        top, ids = ops.top_k(logits, k=self.top_k, axis=-1)  # [T, K]
+        weights = ops.softmax(ops.cast(top, DType.float32))
+        return self.experts(x, ops.cast(ids, DType.int32), weights)  # [T, H]
+
+    # MAX's transformer block shards every mlp; one device is all we support so far.
+    @property
+    def sharding_strategy(self) -> ShardingStrategy | None:
+        return self._strategy
+
+    @sharding_strategy.setter
+    def sharding_strategy(self, strategy: ShardingStrategy) -> None:
+        if strategy.num_devices != 1:
+            raise NotImplementedError(
+                "gptoss-max runs the MoE on one device; block-aligned MXFP4 tensor parallelism is not built yet"
+            )
+        self._strategy = strategy
+
+    def shard(self, devices: Iterable[DeviceRef]) -> list[NativeMoE]:
+        return [self for _ in devices]

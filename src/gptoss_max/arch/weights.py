@@ -1,0 +1,75 @@
+"""Checkpoint -> MAX module names, one explicit map. Validates before renaming."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from max.dtype import DType
+from max.graph.type import Shape
+from max.graph.weights import WeightData
+
+from gptoss_max.checkpoint import BF16, F32, U8, validate
+from gptoss_max.config import ModelSpec
+
+_ST_DTYPE = {DType.bfloat16: BF16, DType.float32: F32, DType.uint8: U8}
+_PREFIXES = [
+    ("model.embed_tokens.", "language_model.embed_tokens."),
+    ("model.norm.", "language_model.norm."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.layers.", "language_model.layers."),
+]
+# checkpoint expert suffix -> (our suffix, kind)
+_EXPERTS = {
+    "gate_up_proj_blocks": ("gate_up_blocks", "blocks"),
+    "down_proj_blocks": ("down_blocks", "blocks"),
+    "gate_up_proj_scales": ("gate_up_scales", "raw"),
+    "down_proj_scales": ("down_scales", "raw"),
+    "gate_up_proj_bias": ("gate_up_bias", "f32"),
+    "down_proj_bias": ("down_bias", "f32"),
+    "gate_up_proj": ("gate_up_weight", "transpose"),
+    "down_proj": ("down_weight", "transpose"),
+}
+
+
+def _describe(data: WeightData) -> tuple[tuple[int, ...], str]:
+    return tuple(int(d) for d in data.shape), _ST_DTYPE.get(data.dtype, str(data.dtype))
+
+
+def _rename(name: str) -> str:
+    for before, after in _PREFIXES:
+        if name.startswith(before):
+            return after + name[len(before) :]
+    raise KeyError(name)
+
+
+def _from_numpy(arr: np.ndarray, name: str) -> WeightData:
+    return WeightData.from_numpy(np.ascontiguousarray(arr), name)
+
+
+def _convert(name: str, data: WeightData, dtype: DType) -> WeightData:
+    head, _, suffix = name.rpartition(".")
+    if ".mlp.experts" not in head:
+        return dataclasses.replace(data.astype(dtype), name=name)
+    new_suffix, kind = _EXPERTS[suffix]
+    new_name = f"{head}.{new_suffix}"
+    if kind == "blocks":  # [E, rows, nb, 16] -> [E, rows, nb * 16]
+        arr = np.from_dlpack(data.data)
+        return _from_numpy(arr.reshape(*arr.shape[:2], -1), new_name)
+    if kind == "raw":
+        return dataclasses.replace(data, name=new_name)
+    f32 = np.from_dlpack(data.astype(DType.float32).data)
+    if kind == "f32":
+        return _from_numpy(f32, new_name)
+    # HF bf16 experts are [E, in, out]; the op wants [E, out, in].
+    out = _from_numpy(f32.transpose(0, 2, 1), new_name)
+    return dataclasses.replace(out.astype(dtype), name=new_name)
+
+
+def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) -> dict[str, WeightData]:
+    """HF gpt-oss tensors -> our module's state dict, in `dtype` except MXFP4 and biases."""
+    datas = {name: w.data() for name, w in weights.items()}
+    validate(spec, {name: _describe(d) for name, d in datas.items()})
+    return {_rename(name): _convert(_rename(name), d, dtype) for name, d in datas.items()}

@@ -1,0 +1,108 @@
+"""Load gpt-oss through MAX's pipeline registry with our architecture, and generate from token ids."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gptoss_max import maxapi
+
+logger = logging.getLogger("gptoss_max")
+
+ARCH_MODULE = "gptoss_max.arch"
+STOP_TOKENS = (200002, 200012, 199999)  # <|return|>, <|call|>, <|endoftext|>; never <|end|>
+
+
+def has_gpu() -> bool:
+    from max.driver import accelerator_count
+
+    return accelerator_count() > 0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str
+    device: str = "auto"  # auto | cpu | gpu
+    max_length: int = 4096
+    max_batch_size: int = 8
+    kv_memory_fraction: float | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return has_gpu() if self.device == "auto" else self.device == "gpu"
+
+
+def pipeline_args(opts: EngineOptions) -> Any:
+    """MAX PipelineArgs: our architecture, float32 on CPU (bf16 on GPU), a bounded KV cache."""
+    from max.driver import DeviceSpec
+    from max.pipelines.kv_cache.config import KVCacheConfig
+    from max.pipelines.lib import PipelineArgs
+    from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
+
+    gpu = opts.on_gpu
+    fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.03)
+    return PipelineArgs(
+        model_path=opts.model,
+        quantization_encoding="bfloat16" if gpu else "float32",
+        device_specs=[DeviceSpec.accelerator(0) if gpu else DeviceSpec.cpu()],
+        max_length=opts.max_length,
+        kv_cache=KVCacheConfig(device_memory_utilization=fraction),
+        runtime=PipelineRuntimeConfig(
+            custom_architectures=[ARCH_MODULE],
+            max_batch_size=opts.max_batch_size,
+            device_graph_capture=False,
+        ),
+    )
+
+
+class Engine:
+    """A compiled gpt-oss pipeline: token ids in, token ids out."""
+
+    def __init__(self, opts: EngineOptions):
+        from max.pipelines import PIPELINE_REGISTRY
+
+        self.opts = opts
+        t0 = time.perf_counter()
+        self.config = maxapi.PipelineConfig.from_args(pipeline_args(opts))
+        retrieved = PIPELINE_REGISTRY.retrieve_factory(self.config)
+        self.tokenizer = retrieved.tokenizer
+        self.pipeline = retrieved.factory()
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def pipeline_model(self) -> Any:
+        return self.pipeline._pipeline_model
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> Iterator[int]:
+        """Yield new token ids until a stop token (yielded) or `max_new_tokens`."""
+        from max.pipelines.context import SamplingParams
+        from max.pipelines.lib.generate import GenerateIterator
+        from max.pipelines.modeling.types import RequestID, TextGenerationRequest
+
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=1 if temperature == 0 else -1,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=list(STOP_TOKENS),
+            seed=seed,
+            detokenize=False,
+        )
+        request = TextGenerationRequest(
+            request_id=RequestID(), prompt=list(prompt_ids), model_name="model", sampling_params=params
+        )
+        context = asyncio.run(self.tokenizer.new_context(request))
+        with GenerateIterator.from_contexts(self.pipeline, [context], caller="gptoss-max") as batch:
+            while not batch.done:
+                yield from batch.step().get(0) or []

@@ -1,0 +1,39 @@
+"""Every touchpoint with MAX's internal (non-public, release-specific) APIs, in one module.
+
+MAX moves these between releases; `tests/test_maxapi.py` checks that each still
+exists with the shape we rely on, so an upgrade fails there first, by name.
+Pinned: max==26.7.0.
+"""
+
+from __future__ import annotations
+
+# gpt_oss architecture pieces we reuse (attention with sinks, YaRN RoPE, norms, KV params).
+from max.pipelines.architectures.gpt_oss import gpt_oss as stock_gpt_oss_module
+from max.pipelines.architectures.gpt_oss.arch import gpt_oss_arch as stock_gpt_oss_arch
+from max.pipelines.architectures.gpt_oss.gpt_oss import GptOss as StockGptOss
+from max.pipelines.architectures.gpt_oss.layers import transformer_block as stock_block_module
+from max.pipelines.architectures.gpt_oss.layers.attention import GptOssAttention
+from max.pipelines.architectures.gpt_oss.memory_planner import GptOssMemoryPlanner
+from max.pipelines.architectures.gpt_oss.model import GptOssModel
+from max.pipelines.architectures.gpt_oss.model_config import GptOssConfig
+from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
+from max.pipelines.lib import PipelineConfig, SupportedArchitecture
+from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
+from max.pipelines.modeling import config_enums
+
+__all__ = [
+    "GptOssAttention",
+    "GptOssConfig",
+    "GptOssMemoryPlanner",
+    "GptOssModel",
+    "GraphRole",
+    "GraphSpec",
+    "PagedMemoryPlanner",
+    "PipelineConfig",
+    "StockGptOss",
+    "SupportedArchitecture",
+    "config_enums",
+    "stock_block_module",
+    "stock_gpt_oss_arch",
+    "stock_gpt_oss_module",
+]
