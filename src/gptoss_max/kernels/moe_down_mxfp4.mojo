@@ -1,0 +1,74 @@
+import extensibility
+from extensibility import InputTensor, OutputTensor, foreach
+from layout import coord_to_index_list
+from max.gpu.host import DeviceContext
+from std.utils.coord import Coord
+
+from .mxfp4 import MXFP4_BLOCK, mxfp4_row_dot
+
+
+@extensibility.register("gptoss_moe_down_mxfp4")
+struct MoeDownMxfp4:
+    """Down projection of each routed expert, weighted sum over top-k.
+
+    Boundary (all contiguous, row-major):
+      output       [T, H]  bf16 | f32   sum_k w[t,k] * (W_down[e] h[t,k] + b[e])
+      h            [T, K, I] f32        from gptoss_moe_gate_up_*
+      topk_ids     [T, K]  int32 (ids outside [0, E) contribute nothing)
+      topk_weights [T, K]  f32
+      blocks       [E, H, I/2]  u8
+      scales       [E, H, I/32] u8
+      bias         [E, H]  f32
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString,
+    ](
+        output: OutputTensor[rank=2, ...],
+        h: InputTensor[dtype=DType.float32, rank=3, ...],
+        topk_ids: InputTensor[dtype=DType.int32, rank=2, ...],
+        topk_weights: InputTensor[dtype=DType.float32, rank=2, ...],
+        blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
+        scales: InputTensor[dtype=DType.uint8, rank=3, ...],
+        bias: InputTensor[dtype=DType.float32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var hp = h.unsafe_ptr()
+        var ids = topk_ids.unsafe_ptr()
+        var wp = topk_weights.unsafe_ptr()
+        var bp = blocks.unsafe_ptr()
+        var sp = scales.unsafe_ptr()
+        var biasp = bias.unsafe_ptr()
+        var n_experts = blocks.dim_size[0]()
+        var hidden = blocks.dim_size[1]()
+        var inter = h.dim_size[2]()
+        var top_k = topk_ids.dim_size[1]()
+
+        def out_elem[
+            width: Int
+        ](idx: Coord) {
+            var hp, var ids, var wp, var bp, var sp, var biasp,
+            var n_experts, var hidden, var inter, var top_k,
+        } -> SIMD[output.dtype, width]:
+            var i2 = coord_to_index_list(idx)
+            var t = i2[0]
+            var acc = SIMD[DType.float32, width](0)
+            for k in range(top_k):
+                var e = Int(ids[unsafe_offset=t * top_k + k])
+                if e < 0 or e >= n_experts:
+                    continue
+                var weight = wp[unsafe_offset=t * top_k + k]
+                var hrow = hp.unsafe_offset((t * top_k + k) * inter)
+                comptime for w in range(width):
+                    var row = e * hidden + i2[1] + w
+                    var y = mxfp4_row_dot(
+                        bp.unsafe_offset(row * (inter // 2)),
+                        sp.unsafe_offset(row * (inter // MXFP4_BLOCK)),
+                        hrow,
+                        inter,
+                    )
+                    acc[w] += weight * (y + biasp[unsafe_offset=row])
+            return acc.cast[output.dtype]()
+
+        foreach[target=target, simd_width=1](out_elem, output, ctx)

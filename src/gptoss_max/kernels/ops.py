@@ -1,0 +1,153 @@
+"""MAX graph wrappers for the gpt-oss kernels.
+
+Each wrapper runs its op on `x`'s device and loads the kernel package into the
+current graph, so callers need not pass `custom_extensions` themselves.
+"""
+
+from __future__ import annotations
+
+from max.dtype import DType
+from max.graph import Dim, Graph, StaticDim, TensorType, TensorValue, ops
+
+from gptoss_max.kernels import kernels_path
+
+ACTIVATION_DTYPES = (DType.float32, DType.bfloat16)
+
+
+def _load_kernels() -> None:
+    graph = Graph.current
+    path = kernels_path()
+    if path not in graph.kernel_libraries_paths:
+        graph._import_kernels([path])
+
+
+def _check_dim(what: str, got: Dim, want: Dim) -> None:
+    """Compare two dims where both are static; symbolic ones are left to run time."""
+    if isinstance(got, StaticDim) and isinstance(want, StaticDim) and got != want:
+        raise ValueError(f"{what}: expected {want}, got {got}")
+
+
+def _as(value: TensorValue, dtype: DType) -> TensorValue:
+    return value if value.dtype == dtype else ops.cast(value, dtype)
+
+
+def _routing(
+    x: TensorValue, topk_ids: TensorValue, topk_weights: TensorValue
+) -> tuple[TensorValue, TensorValue]:
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
+    if x.rank != 2 or topk_ids.rank != 2 or topk_weights.rank != 2:
+        raise ValueError("x, topk_ids and topk_weights must be rank 2")
+    _check_dim("topk_ids tokens", topk_ids.shape[0], x.shape[0])
+    _check_dim("topk_weights shape", topk_weights.shape[1], topk_ids.shape[1])
+    return _as(topk_ids, DType.int32), _as(topk_weights, DType.float32)
+
+
+def _run_moe(
+    kind: str,
+    x: TensorValue,
+    topk_ids: TensorValue,
+    topk_weights: TensorValue,
+    gate_up: list[TensorValue],
+    down: list[TensorValue],
+    intermediate: Dim,
+) -> TensorValue:
+    _load_kernels()
+    tokens, top_k = topk_ids.shape
+    h = ops.custom(
+        f"gptoss_moe_gate_up_{kind}",
+        x.device,
+        [x, topk_ids, *gate_up],
+        [TensorType(DType.float32, [tokens, top_k, intermediate], x.device)],
+    )[0].tensor
+    return ops.custom(
+        f"gptoss_moe_down_{kind}",
+        x.device,
+        [h, topk_ids, topk_weights, *down],
+        [TensorType(x.dtype, x.shape, x.device)],
+    )[0].tensor
+
+
+def moe_mxfp4(
+    x: TensorValue,  # [T, H] bf16 | f32
+    topk_ids: TensorValue,  # [T, K] int32
+    topk_weights: TensorValue,  # [T, K] f32, softmaxed over the top-k
+    gate_up_blocks: TensorValue,  # [E, 2I, H/2] u8, rows interleaved gate/up
+    gate_up_scales: TensorValue,  # [E, 2I, H/32] u8
+    gate_up_bias: TensorValue,  # [E, 2I] f32
+    down_blocks: TensorValue,  # [E, H, I/2] u8
+    down_scales: TensorValue,  # [E, H, I/32] u8
+    down_bias: TensorValue,  # [E, H] f32
+) -> TensorValue:  # [T, H] x.dtype
+    """gpt-oss experts with MXFP4 weights, reading only the routed experts."""
+    topk_ids, topk_weights = _routing(x, topk_ids, topk_weights)
+    n_experts, rows, half_h = gate_up_blocks.shape
+    _check_dim("gate_up_blocks last dim", half_h * 2, x.shape[1])
+    _check_dim("gate_up_scales", gate_up_scales.shape[2] * 32, x.shape[1])
+    _check_dim("down_blocks rows", down_blocks.shape[1], x.shape[1])
+    _check_dim("down_blocks last dim", down_blocks.shape[2] * 4, rows)
+    _check_dim("down_scales", down_scales.shape[2] * 64, rows)
+    _check_dim("down_blocks experts", down_blocks.shape[0], n_experts)
+    return _run_moe(
+        "mxfp4",
+        x,
+        topk_ids,
+        topk_weights,
+        [gate_up_blocks, gate_up_scales, _as(gate_up_bias, DType.float32)],
+        [down_blocks, down_scales, _as(down_bias, DType.float32)],
+        down_blocks.shape[2] * 2,
+    )
+
+
+def moe_bf16(
+    x: TensorValue,  # [T, H] bf16 | f32
+    topk_ids: TensorValue,  # [T, K] int32
+    topk_weights: TensorValue,  # [T, K] f32
+    gate_up_weight: TensorValue,  # [E, 2I, H] bf16, rows interleaved gate/up
+    gate_up_bias: TensorValue,  # [E, 2I] f32
+    down_weight: TensorValue,  # [E, H, I] bf16
+    down_bias: TensorValue,  # [E, H] f32
+) -> TensorValue:  # [T, H] x.dtype
+    """gpt-oss experts with dense (bf16) weights, reading only routed experts."""
+    topk_ids, topk_weights = _routing(x, topk_ids, topk_weights)
+    _check_dim("gate_up_weight last dim", gate_up_weight.shape[2], x.shape[1])
+    _check_dim("down_weight rows", down_weight.shape[1], x.shape[1])
+    _check_dim("down_weight last dim", down_weight.shape[2] * 2, gate_up_weight.shape[1])
+    return _run_moe(
+        "bf16",
+        x,
+        topk_ids,
+        topk_weights,
+        [gate_up_weight, _as(gate_up_bias, DType.float32)],
+        [down_weight, _as(down_bias, DType.float32)],
+        down_weight.shape[2],
+    )
+
+
+def mxfp4_decode(
+    blocks: TensorValue,  # [..., n/2] u8
+    scales: TensorValue,  # [..., n/32] u8
+) -> TensorValue:  # [..., n] f32
+    """Decodes MXFP4 with the same device function the MoE kernels use."""
+    _check_dim("blocks vs scales", blocks.shape[-1], scales.shape[-1] * 16)
+    _load_kernels()
+    lead = list(blocks.shape[:-1])
+    rows = _prod(lead)
+    n = blocks.shape[-1] * 2
+    flat = ops.custom(
+        "gptoss_mxfp4_decode",
+        blocks.device,
+        [
+            ops.reshape(blocks, [rows, blocks.shape[-1]]),
+            ops.reshape(scales, [rows, scales.shape[-1]]),
+        ],
+        [TensorType(DType.float32, [rows, n], blocks.device)],
+    )[0].tensor
+    return flat if len(lead) == 1 else ops.reshape(flat, [*lead, n])
+
+
+def _prod(dims: list[Dim]) -> Dim:
+    total: Dim = StaticDim(1)
+    for d in dims:
+        total = total * d
+    return total

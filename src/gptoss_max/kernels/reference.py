@@ -1,0 +1,70 @@
+"""NumPy references for the kernels in this package (float64 math)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gptoss_max import mxfp4
+
+SWIGLU_LIMIT = 7.0
+SWIGLU_ALPHA = 1.702
+
+
+def round_to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    gate = np.minimum(gate, SWIGLU_LIMIT)
+    up = np.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1.0) * gate / (1.0 + np.exp(-SWIGLU_ALPHA * gate))
+
+
+def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """`blocks [..., n/2]`, `scales [..., n/32]` u8 -> float32 `[..., n]`."""
+    nb = scales.shape[-1]
+    return mxfp4.decode(blocks.reshape(*blocks.shape[:-1], nb, 16), scales)
+
+
+def moe(
+    x: np.ndarray,  # [T, H]
+    topk_ids: np.ndarray,  # [T, K]
+    topk_weights: np.ndarray,  # [T, K]
+    gate_up: np.ndarray,  # [E, 2I, H], rows interleaved gate/up
+    gate_up_bias: np.ndarray,  # [E, 2I]
+    down: np.ndarray,  # [E, H, I]
+    down_bias: np.ndarray,  # [E, H]
+) -> np.ndarray:  # [T, H] float64
+    x = x.astype(np.float64)
+    out = np.zeros(x.shape, dtype=np.float64)
+    for t, k in np.ndindex(*topk_ids.shape):
+        e = int(topk_ids[t, k])
+        gu = gate_up[e].astype(np.float64) @ x[t] + gate_up_bias[e]
+        h = swiglu(gu[0::2], gu[1::2])
+        y = down[e].astype(np.float64) @ h + down_bias[e]
+        out[t] += float(topk_weights[t, k]) * y
+    return out
+
+
+def moe_mxfp4(
+    x: np.ndarray,
+    topk_ids: np.ndarray,
+    topk_weights: np.ndarray,
+    gate_up_blocks: np.ndarray,  # [E, 2I, H/2]
+    gate_up_scales: np.ndarray,  # [E, 2I, H/32]
+    gate_up_bias: np.ndarray,
+    down_blocks: np.ndarray,  # [E, H, I/2]
+    down_scales: np.ndarray,  # [E, H, I/32]
+    down_bias: np.ndarray,
+) -> np.ndarray:
+    """Like `moe`, decoding only the experts that are routed to."""
+    n_experts = gate_up_blocks.shape[0]
+    gate_up = np.zeros((n_experts, gate_up_blocks.shape[1], x.shape[1]), np.float32)
+    down = np.zeros((n_experts, x.shape[1], down_blocks.shape[2] * 2), np.float32)
+    for e in np.unique(topk_ids):
+        gate_up[e] = mxfp4_rows(gate_up_blocks[e], gate_up_scales[e])
+        down[e] = mxfp4_rows(down_blocks[e], down_scales[e])
+    return moe(x, topk_ids, topk_weights, gate_up, gate_up_bias, down, down_bias)
