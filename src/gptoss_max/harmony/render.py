@@ -1,0 +1,163 @@
+"""A turn's settings and its history -> Harmony prompt token ids.
+
+The system message carries the reasoning effort and date, the developer message the
+instructions, function tools and response format. History is rendered with
+`auto_drop_analysis=False`: which reasoning to drop is decided in `messages.py`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+
+from openai_harmony import (
+    Conversation,
+    DeveloperContent,
+    Message,
+    ReasoningEffort,
+    RenderConversationConfig,
+    Role,
+    SystemContent,
+    TextContent,
+    ToolDescription,
+)
+
+from gptoss_max.harmony.messages import drop_finished_reasoning
+from gptoss_max.tokenizer import harmony_encoding
+
+END_OF_TEXT = 199999  # <|endoftext|>
+RETURN = 200002  # <|return|>: the final answer is done
+CALL = 200012  # <|call|>: a tool call is done
+END = 200007  # <|end|>: one message is done, the turn goes on (never a stop token)
+MESSAGE = 200008  # <|message|>: a header is done
+STOP_TOKEN_IDS = (RETURN, CALL, END_OF_TEXT)
+
+_EFFORTS = {
+    "low": ReasoningEffort.LOW,
+    "medium": ReasoningEffort.MEDIUM,
+    "high": ReasoningEffort.HIGH,
+}
+_NO_RENDER_DROP = RenderConversationConfig(auto_drop_analysis=False)
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    name: str
+    description: str = ""
+    parameters: dict | None = None
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """`kind` is "text", "json_object" or "json_schema" (which needs `name` and `schema`)."""
+
+    kind: str = "text"
+    name: str = "response"
+    schema: dict | None = None
+    description: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    """What goes into the system and developer messages, and how the reply must start.
+
+    `tool_choice` is "auto", "none", "required" or the name of the one function to call.
+    """
+
+    effort: str = "medium"
+    date: str | None = None
+    instructions: str | None = None
+    tools: tuple[FunctionTool, ...] = ()
+    response_format: ResponseFormat = field(default_factory=ResponseFormat)
+    tool_choice: str = "auto"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids to prefill; `prefill` is their tail that the assistant's reply starts with."""
+
+    ids: list[int]
+    prefill: list[int]
+
+
+def system_message(spec: TurnSpec) -> Message:
+    date = spec.date or dt.datetime.now(dt.timezone.utc).date().isoformat()
+    content = (
+        SystemContent.new()
+        .with_reasoning_effort(_EFFORTS[spec.effort])
+        .with_conversation_start_date(date)
+    )
+    return Message.from_role_and_content(Role.SYSTEM, content)
+
+
+def developer_message(spec: TurnSpec, extra: list[str]) -> Message | None:
+    """Instructions (the request's, then leading system/developer input), tools, format."""
+    parts = [p for p in [spec.instructions, *extra] if p]
+    fmt = _format_section(spec.response_format)
+    if fmt:
+        parts.append(fmt)
+    tools = [] if spec.tool_choice == "none" else list(spec.tools)
+    if not parts and not tools:
+        return None
+    content = DeveloperContent.new()
+    if parts:
+        content = content.with_instructions("\n\n".join(parts))
+    if tools:
+        content = content.with_function_tools(
+            [ToolDescription.new(t.name, t.description, t.parameters) for t in tools]
+        )
+    return Message.from_role_and_content(Role.DEVELOPER, content)
+
+
+def _format_section(fmt: ResponseFormat) -> str:
+    if fmt.kind == "json_object":
+        return "# Response Formats\n\nReply with a single JSON object and nothing else."
+    if fmt.kind == "json_schema":
+        desc = f"// {fmt.description}\n" if fmt.description else ""
+        schema = json.dumps(fmt.schema, separators=(",", ":"))
+        return f"# Response Formats\n\n## {fmt.name}\n\n{desc}{schema}"
+    return ""
+
+
+def prefill_text(spec: TurnSpec) -> str:
+    """A forced tool call is made by prefilling the start of its header."""
+    if spec.tool_choice in ("auto", "none") or not spec.tools:
+        return ""
+    if spec.tool_choice == "required":
+        return "<|channel|>commentary to=functions"
+    return f"<|channel|>commentary to=functions.{spec.tool_choice} <|constrain|>json<|message|>"
+
+
+def _split_leading_instructions(history: list[Message]) -> tuple[list[str], list[Message]]:
+    """System/developer text before the first other message joins the developer message."""
+    extra: list[str] = []
+    for i, msg in enumerate(history):
+        if msg.author.role not in (Role.SYSTEM, Role.DEVELOPER):
+            return extra, history[i:]
+        extra.extend(c.text for c in msg.content if isinstance(c, TextContent))
+    return extra, []
+
+
+def render_prompt(spec: TurnSpec, history: list[Message]) -> Prompt:
+    """Header + history (finished turns' reasoning dropped) + `<|start|>assistant` + prefill."""
+    extra, rest = _split_leading_instructions(history)
+    header = [system_message(spec)]
+    dev = developer_message(spec, extra)
+    if dev is not None:
+        header.append(dev)
+    conv = Conversation.from_messages(header + drop_finished_reasoning(rest))
+    enc = harmony_encoding()
+    ids = enc.render_conversation_for_completion(conv, Role.ASSISTANT, _NO_RENDER_DROP)
+    prefill = enc.encode(prefill_text(spec), allowed_special="all")
+    return Prompt(ids=ids + prefill, prefill=prefill)
+
+
+def encode_text(text: str) -> list[int]:
+    """Plain text (special tokens spelled out stay text) -> token ids."""
+    return harmony_encoding().encode(text, disallowed_special=())
+
+
+def encode_harmony(text: str) -> list[int]:
+    """Harmony text with special tokens spelled out -> token ids (scripts, tests)."""
+    return harmony_encoding().encode(text, allowed_special="all")
