@@ -1,0 +1,253 @@
+"""MoE and MXFP4-decode ops on CPU against the NumPy reference.
+
+Each graph compiles once per module (symbolic dims, so every case shares it)
+and returns the op's result for float32 and for bfloat16 activations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from gptoss_max import mxfp4
+from gptoss_max.kernels import reference
+
+pytestmark = pytest.mark.slow
+
+F32_REL_TOL = 1e-5
+BF16_REL_TOL = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    routing: str = "random"  # random | busy | few
+    x_scale: float = 1.0
+
+
+CASES = [
+    Case("one_token", 1, 8, 4, 64, 64),
+    Case("t64", 64, 8, 4, 128, 96),
+    Case("busy_expert", 33, 8, 4, 64, 96, routing="busy"),
+    Case("idle_experts", 20, 16, 2, 96, 64, routing="few"),
+    Case("top4_of_128", 13, 128, 4, 64, 64),
+    Case("t77_clamped", 77, 8, 4, 128, 64, x_scale=4.0),
+    Case("top1", 9, 4, 1, 64, 32),
+]
+
+_summary: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fidelity_summary(request: pytest.FixtureRequest):
+    yield
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled():
+        print("\n[moe op fidelity] " + "\n[moe op fidelity] ".join(_summary))
+
+
+@pytest.fixture(scope="module")
+def session():
+    from max.driver import CPU
+    from max.engine import InferenceSession
+
+    return InferenceSession(devices=[CPU()])
+
+
+def _compile(session, name: str, forward, input_types):
+    from max.graph import Graph
+
+    start = time.perf_counter()
+    model = session.load(Graph(name, forward=forward, input_types=input_types))
+    _summary.append(f"compile {name}: {time.perf_counter() - start:.1f} s")
+    return model
+
+
+def _run(model, *arrays: np.ndarray) -> list[np.ndarray]:
+    from max.driver import Buffer
+
+    outs = model.execute(*[Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays])
+    return [o.to_numpy() for o in outs]
+
+
+def _routing_types():
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType
+
+    cpu = DeviceRef.CPU()
+    return [
+        TensorType(DType.float32, ["T", "H"], cpu),
+        TensorType(DType.int32, ["T", "K"], cpu),
+        TensorType(DType.float32, ["T", "K"], cpu),
+    ]
+
+
+def _both_activations(moe, x, *rest):
+    """[moe(x) in f32, moe(bf16(x)) cast back to f32]."""
+    from max.dtype import DType
+    from max.graph import ops
+
+    out_bf16 = moe(ops.cast(x, DType.bfloat16), *rest)
+    return moe(x, *rest), ops.cast(out_bf16, DType.float32)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(session):
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType
+
+    from gptoss_max.kernels import ops
+
+    cpu = DeviceRef.CPU()
+    u8, f32 = DType.uint8, DType.float32
+    types = _routing_types() + [
+        TensorType(u8, ["E", "R", "Hb"], cpu),
+        TensorType(u8, ["E", "R", "Hs"], cpu),
+        TensorType(f32, ["E", "R"], cpu),
+        TensorType(u8, ["E", "H", "Ib"], cpu),
+        TensorType(u8, ["E", "H", "Is"], cpu),
+        TensorType(f32, ["E", "H"], cpu),
+    ]
+    return _compile(session, "moe_mxfp4", lambda *a: _both_activations(ops.moe_mxfp4, *a), types)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(session):
+    """Weights enter as f32 and are cast to bf16 in the graph (numpy has no bf16)."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType
+    from max.graph import ops as gops
+
+    from gptoss_max.kernels import ops
+
+    cpu = DeviceRef.CPU()
+    f32 = DType.float32
+    types = _routing_types() + [
+        TensorType(f32, ["E", "R", "H"], cpu),
+        TensorType(f32, ["E", "R"], cpu),
+        TensorType(f32, ["E", "H", "I"], cpu),
+        TensorType(f32, ["E", "H"], cpu),
+    ]
+
+    def forward(x, ids, w, gu, gu_b, down, down_b):
+        gu, down = gops.cast(gu, DType.bfloat16), gops.cast(down, DType.bfloat16)
+        return _both_activations(ops.moe_bf16, x, ids, w, gu, gu_b, down, down_b)
+
+    return _compile(session, "moe_bf16", forward, types)
+
+
+def _make_inputs(case: Case, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    t, e, k, h, i = case.tokens, case.experts, case.top_k, case.hidden, case.inter
+    x = (case.x_scale * rng.standard_normal((t, h))).astype(np.float32)
+    if case.routing == "busy":  # expert e-1 in every token's top-k
+        others = [rng.choice(e - 1, k - 1, replace=False) for _ in range(t)]
+        ids = np.stack([np.concatenate([[e - 1], o]) for o in others])
+    elif case.routing == "few":  # only experts 1 and e-2 get tokens
+        ids = np.stack([rng.permutation([1, e - 2])[:k] for _ in range(t)])
+    else:
+        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+    logits = rng.standard_normal((t, k))
+    weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    gate_up = rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)
+    down = rng.standard_normal((e, h, i)) / np.sqrt(i)
+    gate_up_bias = 0.5 * rng.standard_normal((e, 2 * i))
+    down_bias = 0.5 * rng.standard_normal((e, h))
+    f32 = np.float32
+    return (
+        x,
+        ids.astype(np.int32),
+        weights.astype(f32),
+        gate_up.astype(f32),
+        gate_up_bias.astype(f32),
+        down.astype(f32),
+        down_bias.astype(f32),
+    )
+
+
+def _check(case: Case, label: str, out: np.ndarray, ref: np.ndarray, tol: float, record) -> None:
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), f"{label}: non-finite output"
+    rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    worst = float(np.abs(out - ref).max() / np.abs(ref).max())
+    _summary.append(f"{case.name:>13} {label:<11} rel {rel:.2e}  max|err|/max|ref| {worst:.2e}")
+    record(f"{label}_rel_err", rel)
+    assert rel <= tol, f"{label}: relative error {rel:.3e} > {tol}"
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=label)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_moe_mxfp4(case: Case, mxfp4_model, record_property) -> None:
+    x, ids, w, gate_up, gu_bias, down, down_bias = _make_inputs(case)
+    gub, gus = mxfp4.encode(gate_up)
+    db, ds = mxfp4.encode(down)
+    gub = gub.reshape(*gus.shape[:-1], -1)  # [E, 2I, H/2]
+    db = db.reshape(*ds.shape[:-1], -1)  # [E, H, I/2]
+    q = (gub, gus, gu_bias, db, ds, down_bias)
+    out_f32, out_bf16 = _run(mxfp4_model, x, ids, w, *q)
+    ref = reference.moe_mxfp4(x, ids, w, *q)
+    _check(case, "mxfp4/f32", out_f32, ref, F32_REL_TOL, record_property)
+    ref_b = reference.moe_mxfp4(reference.round_to_bf16(x), ids, w, *q)
+    _check(case, "mxfp4/bf16", out_bf16, ref_b, BF16_REL_TOL, record_property)
+
+
+@pytest.mark.parametrize("case", CASES[:5], ids=lambda c: c.name)
+def test_moe_bf16(case: Case, bf16_model, record_property) -> None:
+    x, ids, w, gate_up, gu_bias, down, down_bias = _make_inputs(case, seed=1)
+    out_f32, out_bf16 = _run(bf16_model, x, ids, w, gate_up, gu_bias, down, down_bias)
+    gate_up, down = reference.round_to_bf16(gate_up), reference.round_to_bf16(down)
+    ref = reference.moe(x, ids, w, gate_up, gu_bias, down, down_bias)
+    _check(case, "bf16/f32", out_f32, ref, F32_REL_TOL, record_property)
+    xb = reference.round_to_bf16(x)
+    ref_b = reference.moe(xb, ids, w, gate_up, gu_bias, down, down_bias)
+    _check(case, "bf16/bf16", out_bf16, ref_b, BF16_REL_TOL, record_property)
+
+
+@pytest.fixture(scope="module")
+def decode_model(session):
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType
+
+    from gptoss_max.kernels import ops
+
+    cpu = DeviceRef.CPU()
+    types = [TensorType(DType.uint8, ["R", "B"], cpu), TensorType(DType.uint8, ["R", "S"], cpu)]
+    return _compile(session, "mxfp4_decode", lambda b, s: ops.mxfp4_decode(b, s), types)
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def test_mxfp4_decode_exhaustive(decode_model) -> None:
+    """All 16 codes under every finite scale byte (0..254, subnormals included),
+    two blocks per row so the row/block indexing is exercised too."""
+    scales = np.arange(255, dtype=np.uint8)
+    one_block = np.concatenate([np.arange(16), np.arange(16)[::-1]]).astype(np.uint8)
+    codes = np.tile(np.concatenate([one_block, np.roll(one_block, 5)]), (255, 1))  # [255, 64]
+    blocks = _pack(codes)  # [255, 32]
+    scale_rows = np.stack([scales, scales[::-1]], axis=1)  # [255, 2]
+    (out,) = _run(decode_model, blocks, scale_rows)
+    with np.errstate(over="ignore"):
+        ref = reference.mxfp4_rows(blocks, scale_rows)
+    assert out.dtype == np.float32 and out.shape == (255, 64)
+    assert np.isinf(ref).any() and (ref[np.abs(ref) > 0] < np.finfo(np.float32).tiny).any()
+    mismatch = out.view(np.uint32) != ref.view(np.uint32)
+    assert not mismatch.any(), f"{mismatch.sum()} mismatches, first at {np.argwhere(mismatch)[0]}"
+
+
+def test_mxfp4_decode_random_rows(decode_model) -> None:
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, (7, 64), dtype=np.uint8)  # n = 128
+    scales = rng.integers(100, 150, (7, 4), dtype=np.uint8)
+    (out,) = _run(decode_model, blocks, scales)
+    ref = mxfp4.decode(blocks.reshape(7, 4, 16), scales)
+    assert (out.view(np.uint32) == ref.view(np.uint32)).all()
