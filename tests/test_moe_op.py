@@ -1,13 +1,15 @@
-"""MoE and MXFP4-decode ops on CPU against the NumPy reference.
+"""MoE and MXFP4-decode ops against the NumPy reference.
 
-Each graph compiles once per module (symbolic dims, so every case shares it)
-and returns the op's result for float32 and for bfloat16 activations.
+Runs on the CPU, and also on the GPU where one is present. Each graph compiles
+once per device (symbolic dims, so every case shares it) and returns the op's
+result for float32 and for bfloat16 activations.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,35 +56,54 @@ def fidelity_summary(request: pytest.FixtureRequest):
         print("\n[moe op fidelity] " + "\n[moe op fidelity] ".join(_summary))
 
 
-@pytest.fixture(scope="module")
-def session():
-    from max.driver import CPU
+@dataclass
+class Target:
+    """A device with its session; graphs built for it compile on first use."""
+
+    name: str
+    device: Any
+    session: Any
+
+    @property
+    def ref(self):
+        from max.graph import DeviceRef
+
+        return DeviceRef.from_device(self.device)
+
+    def compile(self, name: str, forward, input_types):
+        from max.graph import Graph
+
+        start = time.perf_counter()
+        graph = Graph(f"{name}_{self.name}", forward=forward, input_types=input_types)
+        model = self.session.load(graph)
+        _summary.append(f"compile {name} ({self.name}): {time.perf_counter() - start:.1f} s")
+        return model
+
+    def run(self, model, *arrays: np.ndarray) -> list[np.ndarray]:
+        from max.driver import CPU, Buffer
+
+        args = [Buffer.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+        return [o.to(CPU()).to_numpy() for o in model.execute(*args)]
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def target(request: pytest.FixtureRequest) -> Target:
+    from max.driver import CPU, Accelerator, accelerator_count
     from max.engine import InferenceSession
 
-    return InferenceSession(devices=[CPU()])
+    if request.param == "gpu":
+        if accelerator_count() == 0:
+            pytest.skip("no GPU")
+        device = Accelerator()
+    else:
+        device = CPU()
+    return Target(request.param, device, InferenceSession(devices=[device]))
 
 
-def _compile(session, name: str, forward, input_types):
-    from max.graph import Graph
-
-    start = time.perf_counter()
-    model = session.load(Graph(name, forward=forward, input_types=input_types))
-    _summary.append(f"compile {name}: {time.perf_counter() - start:.1f} s")
-    return model
-
-
-def _run(model, *arrays: np.ndarray) -> list[np.ndarray]:
-    from max.driver import Buffer
-
-    outs = model.execute(*[Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays])
-    return [o.to_numpy() for o in outs]
-
-
-def _routing_types():
+def _routing_types(cpu):
     from max.dtype import DType
-    from max.graph import DeviceRef, TensorType
+    from max.graph import TensorType
 
-    cpu = DeviceRef.CPU()
     return [
         TensorType(DType.float32, ["T", "H"], cpu),
         TensorType(DType.int32, ["T", "K"], cpu),
@@ -100,15 +121,15 @@ def _both_activations(moe, x, *rest):
 
 
 @pytest.fixture(scope="module")
-def mxfp4_model(session):
+def mxfp4_model(target: Target):
     from max.dtype import DType
-    from max.graph import DeviceRef, TensorType
+    from max.graph import TensorType
 
     from gptoss_max.kernels import ops
 
-    cpu = DeviceRef.CPU()
+    cpu = target.ref
     u8, f32 = DType.uint8, DType.float32
-    types = _routing_types() + [
+    types = _routing_types(cpu) + [
         TensorType(u8, ["E", "R", "Hb"], cpu),
         TensorType(u8, ["E", "R", "Hs"], cpu),
         TensorType(f32, ["E", "R"], cpu),
@@ -116,21 +137,21 @@ def mxfp4_model(session):
         TensorType(u8, ["E", "H", "Is"], cpu),
         TensorType(f32, ["E", "H"], cpu),
     ]
-    return _compile(session, "moe_mxfp4", lambda *a: _both_activations(ops.moe_mxfp4, *a), types)
+    return target.compile("moe_mxfp4", lambda *a: _both_activations(ops.moe_mxfp4, *a), types)
 
 
 @pytest.fixture(scope="module")
-def bf16_model(session):
+def bf16_model(target: Target):
     """Weights enter as f32 and are cast to bf16 in the graph (numpy has no bf16)."""
     from max.dtype import DType
-    from max.graph import DeviceRef, TensorType
+    from max.graph import TensorType
     from max.graph import ops as gops
 
     from gptoss_max.kernels import ops
 
-    cpu = DeviceRef.CPU()
+    cpu = target.ref
     f32 = DType.float32
-    types = _routing_types() + [
+    types = _routing_types(cpu) + [
         TensorType(f32, ["E", "R", "H"], cpu),
         TensorType(f32, ["E", "R"], cpu),
         TensorType(f32, ["E", "H", "I"], cpu),
@@ -141,7 +162,7 @@ def bf16_model(session):
         gu, down = gops.cast(gu, DType.bfloat16), gops.cast(down, DType.bfloat16)
         return _both_activations(ops.moe_bf16, x, ids, w, gu, gu_b, down, down_b)
 
-    return _compile(session, "moe_bf16", forward, types)
+    return target.compile("moe_bf16", forward, types)
 
 
 def _make_inputs(case: Case, seed: int = 0):
@@ -178,56 +199,56 @@ def _check(case: Case, label: str, out: np.ndarray, ref: np.ndarray, tol: float,
     assert np.isfinite(out).all(), f"{label}: non-finite output"
     rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     worst = float(np.abs(out - ref).max() / np.abs(ref).max())
-    _summary.append(f"{case.name:>13} {label:<11} rel {rel:.2e}  max|err|/max|ref| {worst:.2e}")
+    _summary.append(f"{case.name:>13} {label:<15} rel {rel:.2e}  max|err|/max|ref| {worst:.2e}")
     record(f"{label}_rel_err", rel)
     assert rel <= tol, f"{label}: relative error {rel:.3e} > {tol}"
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=label)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_moe_mxfp4(case: Case, mxfp4_model, record_property) -> None:
+def test_moe_mxfp4(case: Case, target: Target, mxfp4_model, record_property) -> None:
     x, ids, w, gate_up, gu_bias, down, down_bias = _make_inputs(case)
     gub, gus = mxfp4.encode(gate_up)
     db, ds = mxfp4.encode(down)
     gub = gub.reshape(*gus.shape[:-1], -1)  # [E, 2I, H/2]
     db = db.reshape(*ds.shape[:-1], -1)  # [E, H, I/2]
     q = (gub, gus, gu_bias, db, ds, down_bias)
-    out_f32, out_bf16 = _run(mxfp4_model, x, ids, w, *q)
+    out_f32, out_bf16 = target.run(mxfp4_model, x, ids, w, *q)
     ref = reference.moe_mxfp4(x, ids, w, *q)
-    _check(case, "mxfp4/f32", out_f32, ref, F32_REL_TOL, record_property)
+    _check(case, f"{target.name} mxfp4/f32", out_f32, ref, F32_REL_TOL, record_property)
     ref_b = reference.moe_mxfp4(reference.round_to_bf16(x), ids, w, *q)
-    _check(case, "mxfp4/bf16", out_bf16, ref_b, BF16_REL_TOL, record_property)
+    _check(case, f"{target.name} mxfp4/bf16", out_bf16, ref_b, BF16_REL_TOL, record_property)
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=lambda c: c.name)
-def test_moe_bf16(case: Case, bf16_model, record_property) -> None:
+def test_moe_bf16(case: Case, target: Target, bf16_model, record_property) -> None:
     x, ids, w, gate_up, gu_bias, down, down_bias = _make_inputs(case, seed=1)
-    out_f32, out_bf16 = _run(bf16_model, x, ids, w, gate_up, gu_bias, down, down_bias)
+    out_f32, out_bf16 = target.run(bf16_model, x, ids, w, gate_up, gu_bias, down, down_bias)
     gate_up, down = reference.round_to_bf16(gate_up), reference.round_to_bf16(down)
     ref = reference.moe(x, ids, w, gate_up, gu_bias, down, down_bias)
-    _check(case, "bf16/f32", out_f32, ref, F32_REL_TOL, record_property)
+    _check(case, f"{target.name} bf16/f32", out_f32, ref, F32_REL_TOL, record_property)
     xb = reference.round_to_bf16(x)
     ref_b = reference.moe(xb, ids, w, gate_up, gu_bias, down, down_bias)
-    _check(case, "bf16/bf16", out_bf16, ref_b, BF16_REL_TOL, record_property)
+    _check(case, f"{target.name} bf16/bf16", out_bf16, ref_b, BF16_REL_TOL, record_property)
 
 
 @pytest.fixture(scope="module")
-def decode_model(session):
+def decode_model(target: Target):
     from max.dtype import DType
-    from max.graph import DeviceRef, TensorType
+    from max.graph import TensorType
 
     from gptoss_max.kernels import ops
 
-    cpu = DeviceRef.CPU()
-    types = [TensorType(DType.uint8, ["R", "B"], cpu), TensorType(DType.uint8, ["R", "S"], cpu)]
-    return _compile(session, "mxfp4_decode", lambda b, s: ops.mxfp4_decode(b, s), types)
+    dev = target.ref
+    types = [TensorType(DType.uint8, ["R", "B"], dev), TensorType(DType.uint8, ["R", "S"], dev)]
+    return target.compile("mxfp4_decode", lambda b, s: ops.mxfp4_decode(b, s), types)
 
 
 def _pack(codes: np.ndarray) -> np.ndarray:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
-def test_mxfp4_decode_exhaustive(decode_model) -> None:
+def test_mxfp4_decode_exhaustive(target: Target, decode_model) -> None:
     """All 16 codes under every finite scale byte (0..254, subnormals included),
     two blocks per row so the row/block indexing is exercised too."""
     scales = np.arange(255, dtype=np.uint8)
@@ -235,7 +256,7 @@ def test_mxfp4_decode_exhaustive(decode_model) -> None:
     codes = np.tile(np.concatenate([one_block, np.roll(one_block, 5)]), (255, 1))  # [255, 64]
     blocks = _pack(codes)  # [255, 32]
     scale_rows = np.stack([scales, scales[::-1]], axis=1)  # [255, 2]
-    (out,) = _run(decode_model, blocks, scale_rows)
+    (out,) = target.run(decode_model, blocks, scale_rows)
     with np.errstate(over="ignore"):
         ref = reference.mxfp4_rows(blocks, scale_rows)
     assert out.dtype == np.float32 and out.shape == (255, 64)
@@ -244,10 +265,10 @@ def test_mxfp4_decode_exhaustive(decode_model) -> None:
     assert not mismatch.any(), f"{mismatch.sum()} mismatches, first at {np.argwhere(mismatch)[0]}"
 
 
-def test_mxfp4_decode_random_rows(decode_model) -> None:
+def test_mxfp4_decode_random_rows(target: Target, decode_model) -> None:
     rng = np.random.default_rng(2)
     blocks = rng.integers(0, 256, (7, 64), dtype=np.uint8)  # n = 128
     scales = rng.integers(100, 150, (7, 4), dtype=np.uint8)
-    (out,) = _run(decode_model, blocks, scales)
+    (out,) = target.run(decode_model, blocks, scales)
     ref = mxfp4.decode(blocks.reshape(7, 4, 16), scales)
     assert (out.view(np.uint32) == ref.view(np.uint32)).all()
