@@ -44,7 +44,7 @@ def pipeline_args(opts: EngineOptions) -> Any:
     from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
 
     gpu = opts.on_gpu
-    fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.03)
+    fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)
     return PipelineArgs(
         model_path=opts.model,
         quantization_encoding="bfloat16" if gpu else "float32",

@@ -95,4 +95,5 @@ class NativeMemoryPlanner(maxapi.GptOssMemoryPlanner):
     """No BF16 dequant buffer: experts stay MXFP4. Reserve only a workspace for activations."""
 
     def estimate_activation_memory(self, pipeline_config: Any, huggingface_config: Any) -> int:
-        return 2 * 1024**3
+        cpu = all(spec.device_type == "cpu" for spec in pipeline_config.model.device_specs)
+        return (128 if cpu else 2048) * 1024**2
