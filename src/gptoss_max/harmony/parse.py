@@ -149,7 +149,7 @@ class HarmonyStream:
         for msg in done:
             text = "".join(c.text for c in msg.content if hasattr(c, "text"))
             if self._open is None:  # finished without a header (e.g. bare text)
-                if msg.author.role != Role.ASSISTANT:
+                if msg.author.role != Role.ASSISTANT or not text:
                     continue
                 start = classify(msg.channel, msg.recipient)
                 self._open = _Open(start)

@@ -1,0 +1,112 @@
+"""Our routes, as a standalone app (tests, scripted engine) or mounted on MAX's serving app."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.routing import APIRoute
+from starlette.routing import Mount
+
+from gptoss_max import settings
+from gptoss_max.server import chat, responses
+from gptoss_max.server.bench import run_bench
+from gptoss_max.server.engine import Engine
+from gptoss_max.server.errors import APIError, install_handlers, not_found
+from gptoss_max.server.state import ServerState
+from gptoss_max.server.store import ResponseStore
+
+STARTED = int(time.time())
+
+
+def _check_key(request: Request) -> None:
+    key = settings.api_key()
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        raise APIError(401, "Missing or invalid API key.", code="invalid_api_key")
+
+
+def build_router(state: ServerState) -> APIRouter:
+    api = APIRouter(dependencies=[Depends(_check_key)])
+
+    @api.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request, state)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return await responses.retrieve(response_id, state)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return await responses.delete(response_id, state)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat.create(request, state)
+
+    @api.get("/v1/models")
+    async def models() -> dict:
+        model = {
+            "id": state.engine.model_name,
+            "object": "model",
+            "created": STARTED,
+            "owned_by": "gptoss-max",
+            "max_model_len": state.engine.max_context,
+        }
+        return {"object": "list", "data": [model]}
+
+    @api.get("/bench")
+    async def bench(n: int = 8, max_new_tokens: int = 64) -> dict:
+        if not state.enable_bench:
+            raise not_found("The decode probe is off; start the server with --enable-bench.")
+        return await run_bench(state.engine, n, max_new_tokens)
+
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": state.engine.model_name}
+
+    router.include_router(api)
+    return router
+
+
+def _metrics_app():
+    from prometheus_client import make_asgi_app
+
+    return make_asgi_app()
+
+
+def build_app(
+    engine: Engine,
+    store: ResponseStore | Path | str | None = None,
+    *,
+    enable_bench: bool = False,
+) -> FastAPI:
+    """A self-contained app over any `Engine` (the store defaults to the data dir)."""
+    if not isinstance(store, ResponseStore):
+        store = ResponseStore(store)
+    state = ServerState(engine, store, enable_bench)
+    app = FastAPI(title="gptoss-max")
+    app.state.gptoss = state
+    app.include_router(build_router(state))
+    app.mount("/metrics", _metrics_app())
+    install_handlers(app)
+    return app
+
+
+def mount(app: FastAPI, state: ServerState) -> None:
+    """Put our routes on MAX's app, replacing MAX's own at the same paths."""
+    router = build_router(state)
+    ours = {(r.path, m) for r in router.routes if isinstance(r, APIRoute) for m in r.methods}
+    app.router.routes[:] = [
+        r
+        for r in app.router.routes
+        if not (isinstance(r, APIRoute) and any((r.path, m) in ours for m in r.methods))
+    ]
+    app.include_router(router)
+    if not any(isinstance(r, Mount) and r.path == "/metrics" for r in app.router.routes):
+        app.mount("/metrics", _metrics_app())
+    app.state.gptoss = state
+    install_handlers(app, http_errors=False)

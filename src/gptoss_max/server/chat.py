@@ -1,0 +1,187 @@
+"""A Harmony-correct /v1/chat/completions: reasoning_content and tool_calls split out."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+
+from gptoss_max.harmony import messages as hm
+from gptoss_max.harmony.events import new_id
+from gptoss_max.harmony.parse import ItemStarted, ParseEvent, TextDelta
+from gptoss_max.harmony.render import TurnSpec, render_prompt
+from gptoss_max.server import tools
+from gptoss_max.server.engine import GenParams
+from gptoss_max.server.errors import bad_request, read_json_object, server_error
+from gptoss_max.server.generation import EventStream, Generation, until_disconnected
+from gptoss_max.server.schemas import ChatRequest, parse_request
+from gptoss_max.server.state import ServerState
+
+
+def _spec(req: ChatRequest) -> TurnSpec:
+    defs = [
+        (t.function.name, t.function.description, t.function.parameters) for t in req.tools or []
+    ]
+    funcs = tools.function_tools(defs, "tools")
+    choice = req.tool_choice
+    named = None if isinstance(choice, str) else choice.function.name
+    fmt = req.response_format
+    schema = fmt.json_schema if fmt else None
+    return TurnSpec(
+        effort=req.reasoning_effort or "medium",
+        tools=funcs,
+        tool_choice=tools.tool_choice(choice if isinstance(choice, str) else None, named, funcs),
+        response_format=tools.response_format(
+            fmt and fmt.type,
+            schema and schema.name,
+            schema and schema.schema_,
+            schema and schema.description,
+            "response_format",
+        ),
+    )
+
+
+class ChatRun:
+    """Parse events -> one chat completion, or its stream of chunks."""
+
+    def __init__(self, state: ServerState, req: ChatRequest, gen: Generation):
+        self.req, self.gen = req, gen
+        self.id, self.created, self.model = (
+            new_id("chatcmpl"),
+            int(time.time()),
+            state.engine.model_name,
+        )
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.tool_calls: list[dict] = []
+        self._kind: str | None = None
+
+    def on(self, event: ParseEvent) -> dict | None:
+        """Take one event; return the streaming delta it makes, if any."""
+        if isinstance(event, ItemStarted):
+            self._kind = event.kind
+            if event.kind != "function_call":
+                return None
+            call = {
+                "id": new_id("call"),
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+            self.tool_calls.append(call)
+            return {"tool_calls": [{"index": len(self.tool_calls) - 1, **copy.deepcopy(call)}]}
+        if not isinstance(event, TextDelta):
+            return None
+        if self._kind == "reasoning":
+            self.reasoning.append(event.text)
+            return {"reasoning_content": event.text}
+        if self._kind == "message":
+            self.content.append(event.text)
+            return {"content": event.text}
+        self.tool_calls[-1]["function"]["arguments"] += event.text
+        index = len(self.tool_calls) - 1
+        return {"tool_calls": [{"index": index, "function": {"arguments": event.text}}]}
+
+    def finish_reason(self) -> str:
+        if self.gen.status == "incomplete":
+            return "length"
+        return "tool_calls" if self.tool_calls else "stop"
+
+    def usage(self) -> dict:
+        prompt, out = len(self.gen.prompt.ids), len(self.gen.output_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": out,
+            "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": self.gen.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.gen.harmony.reasoning_tokens},
+        }
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def _choice(self, delta: dict, finish: str | None = None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    async def sse(self) -> AsyncIterator[str]:
+        yield self._chunk([self._choice({"role": "assistant", "content": ""})])
+        async for event in self.gen.events():
+            delta = self.on(event)
+            if delta:
+                yield self._chunk([self._choice(delta)])
+        self.gen.record_metrics("chat")
+        if self.gen.failure:
+            err = {
+                "message": self.gen.failure,
+                "type": "server_error",
+                "param": None,
+                "code": "server_error",
+            }
+            yield f"data: {json.dumps({'error': err})}\n\n"
+        else:
+            yield self._chunk([self._choice({}, self.finish_reason())])
+            if self.req.stream_options and self.req.stream_options.include_usage:
+                yield self._chunk([], usage=self.usage())
+        yield "data: [DONE]\n\n"
+
+    async def complete(self) -> dict:
+        async for event in self.gen.events():
+            self.on(event)
+        self.gen.record_metrics("chat")
+        if self.gen.failure:
+            raise server_error(self.gen.failure)
+        message = {
+            "role": "assistant",
+            "content": "".join(self.content) or None,
+            "reasoning_content": "".join(self.reasoning) or None,
+            "tool_calls": self.tool_calls or None,
+        }
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": self.finish_reason(),
+                }
+            ],
+            "usage": self.usage(),
+        }
+
+
+async def create(request: Request, state: ServerState) -> Response:
+    req = parse_request(ChatRequest, await read_json_object(request))
+    state.check_model(req.model)
+    calls: dict[str, str] = {}
+    try:
+        history = hm.from_chat_messages(
+            [m.model_dump(exclude_none=True) for m in req.messages], calls
+        )
+    except hm.HistoryError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    prompt = render_prompt(_spec(req), history)
+    budget = state.token_budget(
+        len(prompt.ids), req.max_completion_tokens or req.max_tokens, "messages"
+    )
+    params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+    gen = Generation(state.engine, prompt, params)
+    await until_disconnected(request, gen.start())
+    run = ChatRun(state, req, gen)
+    if req.stream:
+        return EventStream(run.sse())
+    return JSONResponse(await until_disconnected(request, run.complete()))

@@ -1,0 +1,162 @@
+"""One request's token loop, shared by /v1/responses and /v1/chat/completions.
+
+The engine's chunks go through a `HarmonyStream`; generation ends at a stop token, at
+the token budget, on malformed output the parser cannot recover from, or when the
+client goes away (the consuming task is cancelled and the engine iterator closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gptoss_max.harmony.parse import HarmonyStream, ParseEvent
+from gptoss_max.harmony.render import Prompt
+from gptoss_max.server import metrics
+from gptoss_max.server.engine import Engine, GenParams, PromptTooLong, QueueFull
+from gptoss_max.server.errors import APIError, bad_request, queue_full
+
+logger = logging.getLogger("gptoss_max.server")
+T = TypeVar("T")
+
+
+class Generation:
+    def __init__(self, engine: Engine, prompt: Prompt, params: GenParams):
+        self.prompt = prompt
+        self.params = params
+        self.harmony = HarmonyStream()
+        self.output_ids: list[int] = []
+        self.cached_tokens = 0
+        self.stop_token: int | None = None
+        self.failure: str | None = None
+        self._chunks = aiter(engine.generate(prompt.ids, params))
+        self._first: list[int] | None = None
+
+    async def start(self) -> None:
+        """Wait for admission and the first chunk, so refusals are still HTTP statuses."""
+        try:
+            self._first = await anext(self._chunks, [])
+        except QueueFull:
+            raise queue_full() from None
+        except PromptTooLong as exc:
+            raise bad_request(str(exc), "input", "context_length_exceeded") from None
+
+    @property
+    def status(self) -> str:
+        if self.failure:
+            return "failed"
+        return "completed" if self.stop_token is not None else "incomplete"
+
+    async def events(self) -> AsyncIterator[ParseEvent]:
+        try:
+            for event in self.harmony.feed_all(self.prompt.prefill):
+                yield event
+            chunk = self._first
+            while chunk is not None:
+                events, done = self._take(chunk)
+                for event in events:
+                    yield event
+                if done:
+                    break
+                chunk = await self._next_chunk()
+        finally:
+            await self.close()
+        for event in self.harmony.finish(truncated=self.status == "incomplete"):
+            yield event
+
+    def _take(self, chunk: list[int]) -> tuple[list[ParseEvent], bool]:
+        cached = getattr(chunk, "cached_tokens", None)
+        if cached is not None:
+            self.cached_tokens = cached
+        events: list[ParseEvent] = []
+        for token in chunk:
+            self.output_ids.append(token)
+            events += self.harmony.feed(token)
+            if token in self.params.stop_token_ids:
+                self.stop_token = token
+                return events, True
+            if self.harmony.error:
+                self.failure = self.harmony.error
+                return events, True
+            if len(self.output_ids) >= self.params.max_new_tokens:
+                return events, True
+        return events, False
+
+    async def _next_chunk(self) -> list[int] | None:
+        try:
+            return await anext(self._chunks, None)
+        except Exception as exc:  # the engine broke mid-generation: end this request only
+            logger.exception("generation failed")
+            self.failure = f"generation failed: {type(exc).__name__}: {exc}"
+            return None
+
+    def record_metrics(self, endpoint: str) -> None:
+        metrics.record(
+            endpoint,
+            self.status,
+            prompt=len(self.prompt.ids),
+            cached=self.cached_tokens,
+            output=len(self.output_ids),
+            reasoning=self.harmony.reasoning_tokens,
+        )
+
+    async def close(self) -> None:
+        aclose = getattr(self._chunks, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work` (after the body was read); a client that hangs up cancels it."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise APIError(499, "The client closed the request.", code="client_closed_request")
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose source is closed as soon as the client disconnects."""
+
+    def __init__(self, content: AsyncIterator[str], **kwargs: Any):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

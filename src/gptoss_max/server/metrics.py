@@ -1,0 +1,23 @@
+"""Prometheus counters of our own, next to MAX's serving metrics on GET /metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+REQUESTS = Counter(
+    "gptoss_requests", "Generation requests by endpoint and final status", ["endpoint", "status"]
+)
+TOKENS = Counter("gptoss_tokens", "Tokens by kind: prompt, cached, output, reasoning", ["kind"])
+
+
+def record(
+    endpoint: str, status: str, prompt: int, cached: int, output: int, reasoning: int
+) -> None:
+    REQUESTS.labels(endpoint, status).inc()
+    for kind, n in (
+        ("prompt", prompt),
+        ("cached", cached),
+        ("output", output),
+        ("reasoning", reasoning),
+    ):
+        TOKENS.labels(kind).inc(n)

@@ -1,0 +1,194 @@
+"""The Responses API: create (JSON or SSE), retrieve, delete."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from openai_harmony import Message
+
+from gptoss_max.harmony import messages as hm
+from gptoss_max.harmony.events import ResponseEvents, new_id, sse
+from gptoss_max.harmony.render import Prompt, TurnSpec, render_prompt
+from gptoss_max.server import tools
+from gptoss_max.server.engine import GenParams
+from gptoss_max.server.errors import bad_request, not_found, read_json_object
+from gptoss_max.server.generation import EventStream, Generation, until_disconnected
+from gptoss_max.server.schemas import NamedFunction, ResponsesRequest, parse_request
+from gptoss_max.server.state import ServerState
+from gptoss_max.server.store import StoredResponse
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Everything decided before generation: the settings, the conversation, the prompt."""
+
+    spec: TurnSpec
+    history: list[Message]  # the stored conversation plus this request's input
+    calls: dict[str, str]
+    prompt: Prompt
+    params: GenParams
+
+
+def _input_items(req: ResponsesRequest) -> list[dict]:
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return [item.model_dump(exclude_none=True, by_alias=True) for item in req.input]
+
+
+def _spec(req: ResponsesRequest) -> TurnSpec:
+    funcs = tools.function_tools(
+        [(t.name, t.description, t.parameters) for t in req.tools], "tools"
+    )
+    choice = req.tool_choice
+    named = choice.name if isinstance(choice, NamedFunction) else None
+    fmt = req.text.format if req.text else None
+    return TurnSpec(
+        effort=(req.reasoning.effort if req.reasoning else None) or "medium",
+        instructions=req.instructions,
+        tools=funcs,
+        tool_choice=tools.tool_choice(choice if isinstance(choice, str) else None, named, funcs),
+        response_format=tools.response_format(
+            fmt and fmt.type,
+            fmt and fmt.name,
+            fmt and fmt.schema_,
+            fmt and fmt.description,
+            "text.format",
+        ),
+    )
+
+
+def plan_turn(state: ServerState, req: ResponsesRequest, stored: StoredResponse | None) -> Turn:
+    calls = dict(stored.calls) if stored else {}
+    history = hm.from_json(stored.history) if stored else []
+    try:
+        history += hm.from_response_items(_input_items(req), calls)
+    except hm.HistoryError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    spec = _spec(req)
+    prompt = render_prompt(spec, history)
+    budget = state.token_budget(len(prompt.ids), req.max_output_tokens, "input")
+    params = GenParams(max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p)
+    return Turn(spec, history, calls, prompt, params)
+
+
+def response_object(state: ServerState, req: ResponsesRequest, turn: Turn) -> dict:
+    text_format = req.text.format if req.text and req.text.format else None
+    return {
+        "id": new_id("resp"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": state.engine.model_name,
+        "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": turn.spec.effort, "summary": None},
+        "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {
+            "format": text_format.model_dump(by_alias=True, exclude_none=True)
+            if text_format
+            else {"type": "text"}
+        },
+        "tool_choice": req.model_dump(include={"tool_choice"})["tool_choice"],
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools],
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }
+
+
+def usage(gen: Generation) -> dict:
+    inp, out = len(gen.prompt.ids), len(gen.output_ids)
+    return {
+        "input_tokens": inp,
+        "input_tokens_details": {"cached_tokens": gen.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": gen.harmony.reasoning_tokens},
+        "total_tokens": inp + out,
+    }
+
+
+class ResponseRun:
+    """Drives one generation into a response object, as SSE or as one JSON body."""
+
+    def __init__(self, state: ServerState, req: ResponsesRequest, turn: Turn, gen: Generation):
+        self.state, self.req, self.turn, self.gen = state, req, turn, gen
+        self.events = ResponseEvents(response_object(state, req, turn))
+
+    async def sse(self) -> AsyncIterator[str]:
+        for event in self.events.opening():
+            yield sse(event)
+        async for parsed in self.gen.events():
+            for event in self.events.on(parsed):
+                yield sse(event)
+        await self._finish()
+        for event in self.events.closing():
+            yield sse(event)
+
+    async def complete(self) -> dict:
+        async for parsed in self.gen.events():
+            self.events.on(parsed)
+        await self._finish()
+        return self.events.response
+
+    async def _finish(self) -> None:
+        resp, gen = self.events.response, self.gen
+        resp["status"] = gen.status
+        resp["usage"] = usage(gen)
+        if gen.status == "incomplete":
+            resp["incomplete_details"] = {"reason": "max_output_tokens"}
+        elif gen.status == "failed":
+            resp["error"] = {"code": "server_error", "message": gen.failure}
+        else:
+            resp["completed_at"] = int(time.time())
+        gen.record_metrics("responses")
+        if self.req.store:
+            history = hm.to_json(self.turn.history + gen.harmony.messages)
+            calls = self.turn.calls | self.events.function_calls()
+            await asyncio.to_thread(self.state.store.put, resp, history, calls)
+
+
+async def create(request: Request, state: ServerState) -> Response:
+    req = parse_request(ResponsesRequest, await read_json_object(request))
+    state.check_model(req.model)
+    stored = None
+    if req.previous_response_id:
+        stored = await asyncio.to_thread(state.store.get, req.previous_response_id)
+        if stored is None:
+            raise not_found(
+                f"Previous response with id {req.previous_response_id!r} not found.",
+                "previous_response_id",
+            )
+    turn = plan_turn(state, req, stored)
+    gen = Generation(state.engine, turn.prompt, turn.params)
+    await until_disconnected(request, gen.start())
+    run = ResponseRun(state, req, turn, gen)
+    if req.stream:
+        return EventStream(run.sse())
+    return JSONResponse(await until_disconnected(request, run.complete()))
+
+
+async def retrieve(response_id: str, state: ServerState) -> dict:
+    stored = await asyncio.to_thread(state.store.get, response_id)
+    if stored is None:
+        raise not_found(f"Response with id {response_id!r} not found.")
+    return stored.response
+
+
+async def delete(response_id: str, state: ServerState) -> dict:
+    if not await asyncio.to_thread(state.store.delete, response_id):
+        raise not_found(f"Response with id {response_id!r} not found.")
+    return {"id": response_id, "object": "response", "deleted": True}

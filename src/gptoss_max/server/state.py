@@ -1,0 +1,37 @@
+"""What every route shares: the engine, the response store, the server's options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gptoss_max.server.engine import Engine
+from gptoss_max.server.errors import bad_request
+from gptoss_max.server.store import ResponseStore
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    store: ResponseStore
+    enable_bench: bool = False
+
+    def check_model(self, model: str) -> None:
+        if model != self.engine.model_name:
+            raise bad_request(
+                f"The model {model!r} does not exist; "
+                f"this server serves {self.engine.model_name!r}.",
+                "model",
+                "model_not_found",
+            )
+
+    def token_budget(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """New tokens allowed: the request's limit, capped by what is left of the context."""
+        room = self.engine.max_context - prompt_len
+        if room < 1:
+            raise bad_request(
+                f"The input is {prompt_len} tokens; this model's context is "
+                f"{self.engine.max_context} tokens.",
+                param,
+                "context_length_exceeded",
+            )
+        return min(requested or room, room)

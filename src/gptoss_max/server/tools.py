@@ -1,0 +1,68 @@
+"""Function tools, tool choice and response formats: checked, then handed to Harmony."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gptoss_max.harmony.render import FunctionTool, ResponseFormat
+from gptoss_max.server.errors import bad_request
+
+
+def check_schema(schema: dict[str, Any], param: str, *, must_be_object: bool) -> None:
+    """A JSON schema the model can be told about; `jsonschema` checks it when installed."""
+    if must_be_object and schema.get("type", "object") != "object":
+        raise bad_request(
+            "Function parameters must be a JSON schema of type 'object'.",
+            param,
+            "invalid_function_parameters",
+        )
+    try:
+        import jsonschema
+    except ImportError:  # optional: without it only the shape above is checked
+        return
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise bad_request(f"Invalid JSON schema: {exc.message}.", param, "invalid_schema") from None
+
+
+def function_tools(
+    tools: list[tuple[str, str | None, dict | None]], param: str
+) -> tuple[FunctionTool, ...]:
+    """(name, description, parameters) triples -> checked `FunctionTool`s."""
+    seen: set[str] = set()
+    out = []
+    for i, (name, description, parameters) in enumerate(tools):
+        if name in seen:
+            raise bad_request(f"Duplicate function name {name!r}.", f"{param}[{i}].name")
+        seen.add(name)
+        if parameters is not None:
+            check_schema(parameters, f"{param}[{i}].parameters", must_be_object=True)
+        out.append(FunctionTool(name, description or "", parameters))
+    return tuple(out)
+
+
+def tool_choice(choice: str | None, named: str | None, tools: tuple[FunctionTool, ...]) -> str:
+    """ "auto" | "none" | "required" | a function's name, checked against `tools`."""
+    if named is not None:
+        if named not in {t.name for t in tools}:
+            raise bad_request(
+                f"tool_choice names {named!r}, which is not among the tools.", "tool_choice"
+            )
+        return named
+    if choice == "required" and not tools:
+        raise bad_request("tool_choice 'required' needs at least one tool.", "tool_choice")
+    return choice or "auto"
+
+
+def response_format(
+    kind: str | None, name: str | None, schema: dict | None, description: str | None, param: str
+) -> ResponseFormat:
+    if kind in (None, "text"):
+        return ResponseFormat()
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if not name or schema is None:
+        raise bad_request("A json_schema format needs a name and a schema.", param)
+    check_schema(schema, f"{param}.schema", must_be_object=False)
+    return ResponseFormat("json_schema", name, schema, description)
