@@ -26,5 +26,8 @@ def dense_row_dot[
     """Dot product of a weight row `w` [n] with `x` [n], accumulated in f32."""
     var acc: Float32 = 0
     for j in range(n):
-        acc += w[unsafe_offset=j].cast[DType.float32]() * x[unsafe_offset=j].cast[DType.float32]()
+        acc += (
+            w[unsafe_offset=j].cast[DType.float32]()
+            * x[unsafe_offset=j].cast[DType.float32]()
+        )
     return acc

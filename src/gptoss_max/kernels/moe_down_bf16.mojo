@@ -45,8 +45,15 @@ struct MoeDownBf16:
         def out_elem[
             width: Int
         ](idx: Coord) {
-            var hp, var ids, var twp, var wp, var biasp,
-            var n_experts, var hidden, var inter, var top_k,
+            var hp,
+            var ids,
+            var twp,
+            var wp,
+            var biasp,
+            var n_experts,
+            var hidden,
+            var inter,
+            var top_k,
         } -> SIMD[output.dtype, width]:
             var i2 = coord_to_index_list(idx)
             var t = i2[0]

@@ -48,8 +48,16 @@ struct MoeDownMxfp4:
         def out_elem[
             width: Int
         ](idx: Coord) {
-            var hp, var ids, var wp, var bp, var sp, var biasp,
-            var n_experts, var hidden, var inter, var top_k,
+            var hp,
+            var ids,
+            var wp,
+            var bp,
+            var sp,
+            var biasp,
+            var n_experts,
+            var hidden,
+            var inter,
+            var top_k,
         } -> SIMD[output.dtype, width]:
             var i2 = coord_to_index_list(idx)
             var t = i2[0]

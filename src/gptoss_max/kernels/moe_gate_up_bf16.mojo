@@ -42,8 +42,14 @@ struct MoeGateUpBf16:
         def h_elem[
             width: Int
         ](idx: Coord) {
-            var xp, var ids, var wp, var biasp,
-            var n_experts, var rows, var hidden, var top_k,
+            var xp,
+            var ids,
+            var wp,
+            var biasp,
+            var n_experts,
+            var rows,
+            var hidden,
+            var top_k,
         } -> SIMD[DType.float32, width]:
             var i3 = coord_to_index_list(idx)
             var t = i3[0]

@@ -46,8 +46,15 @@ struct MoeGateUpMxfp4:
         def h_elem[
             width: Int
         ](idx: Coord) {
-            var xp, var ids, var bp, var sp, var biasp,
-            var n_experts, var rows, var hidden, var top_k,
+            var xp,
+            var ids,
+            var bp,
+            var sp,
+            var biasp,
+            var n_experts,
+            var rows,
+            var hidden,
+            var top_k,
         } -> SIMD[DType.float32, width]:
             var i3 = coord_to_index_list(idx)
             var t = i3[0]

@@ -6,10 +6,15 @@ current graph, so callers need not pass `custom_extensions` themselves.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from max.dtype import DType
-from max.graph import Dim, Graph, StaticDim, TensorType, TensorValue, ops
+from max.graph import DeviceRef, Dim, Graph, StaticDim, TensorType, TensorValue, ops
 
 from gptoss_max.kernels import kernels_path
+
+if TYPE_CHECKING:
+    from max.nn.kv_cache import PagedCacheValues
 
 ACTIVATION_DTYPES = (DType.float32, DType.bfloat16)
 
@@ -151,3 +156,47 @@ def _prod(dims: list[Dim]) -> Dim:
     for d in dims:
         total = total * d
     return total
+
+
+def attention_with_sinks(
+    xq: TensorValue,  # [T, n_heads, head_dim], roped, kv dtype
+    kv_collection: PagedCacheValues,  # this step's K/V already stored
+    layer_idx: TensorValue,  # uint32 scalar on CPU
+    input_row_offsets: TensorValue,  # [B + 1] uint32
+    sinks: TensorValue,  # [n_heads]
+    scale: float,
+    window: int | None,
+) -> TensorValue:  # [T, n_heads, head_dim] xq.dtype
+    """Causal attention with per-head sink logits over MAX's paged KV cache;
+    `window` limits token p to positions [p - window + 1, p]. The layout it
+    reads is written down in attention_sinks.mojo."""
+    if xq.rank != 3 or not isinstance(xq.shape[2], StaticDim):
+        raise ValueError(f"xq must be [T, n_heads, head_dim] with static head_dim, got {xq.shape}")
+    if kv_collection.kv_scales is not None or kv_collection.kv_blocks_per_layer is not None:
+        raise NotImplementedError("quantized or per-layer KV buffers")
+    if layer_idx.dtype != DType.uint32 or input_row_offsets.dtype != DType.uint32:
+        raise TypeError("layer_idx and input_row_offsets must be uint32")
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive or None, got {window}")
+    _check_dim("sinks", sinks.shape[0], xq.shape[1])
+    _check_dim("kv head_dim", kv_collection.kv_blocks.shape[5], xq.shape[2])
+    _load_kernels()
+    cpu = DeviceRef.CPU()
+    return ops.inplace_custom(
+        "gptoss_attention_with_sinks",
+        xq.device,
+        [
+            xq,
+            input_row_offsets,
+            kv_collection.kv_blocks,
+            kv_collection.page_stride,
+            kv_collection.cache_lengths,
+            kv_collection.lookup_table,
+            sinks,
+            layer_idx,
+            ops.constant(scale, DType.float32, device=cpu),
+            ops.constant(window or 0, DType.int32, device=cpu),
+        ],
+        out_types=[TensorType(xq.dtype, xq.shape, xq.device)],
+        parameters={"head_dim": int(xq.shape[2])},
+    )[0].tensor
