@@ -62,25 +62,40 @@ def test_malformed_json_and_non_objects(server):
         ({"input": "hi", "stream": "yes"}, "stream", "invalid_value"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
         ({"input": "hi", "frequency_penalty": 1}, "frequency_penalty", "unsupported_parameter"),
-        ({"input": "hi", "reasoning": {"effort": "low", "x": 1}}, "reasoning.x",
-         "unsupported_parameter"),
+        (
+            {"input": "hi", "reasoning": {"effort": "low", "x": 1}},
+            "reasoning.x",
+            "unsupported_parameter",
+        ),
         ({"input": [{"type": "web_search_call"}]}, "input[0]", "unsupported_type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input[0].content[0].image_url", "unsupported_parameter"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].image_url",
+            "unsupported_parameter",
+        ),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "invalid_value"),
-        ({"input": "hi", "tools": [{**WEATHER_TOOL, "parameters": {"type": "string"}}]},
-         "tools[0].parameters", "invalid_function_parameters"),
-        ({"input": "hi", "tools": [{**WEATHER_TOOL, "parameters": {"required": 3}}]},
-         "tools[0].parameters", "invalid_schema"),
+        (
+            {"input": "hi", "tools": [{**WEATHER_TOOL, "parameters": {"type": "string"}}]},
+            "tools[0].parameters",
+            "invalid_function_parameters",
+        ),
+        (
+            {"input": "hi", "tools": [{**WEATHER_TOOL, "parameters": {"required": 3}}]},
+            "tools[0].parameters",
+            "invalid_schema",
+        ),
         ({"input": "hi", "tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].name", None),
         ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", None),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice", None),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format", None),
-        ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
-         "input[0].call_id", None),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+            "input[0].call_id",
+            None,
+        ),
         ({"input": "hi", "model": "gpt-5"}, "model", "model_not_found"),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_name_the_field(shared, body, param, code):
     engine, http = shared
     body = {k: v for k, v in {"model": engine.model_name, **body}.items() if v is not DROP}
@@ -124,8 +139,19 @@ def test_full_queue_is_429_and_streams_too(server):
 
 def test_fuzzed_bodies_never_500(shared):
     engine, http = shared
-    odd = [None, 1, "x", [], {}, {"a": None}, [{"type": 1}], [{"role": "robot", "content": "x"}],
-           [{"role": "user"}], [{"type": "reasoning", "content": "x"}], 10**30]  # fmt: skip
+    odd = [
+        None,
+        1,
+        "x",
+        [],
+        {},
+        {"a": None},
+        [{"type": 1}],
+        [{"role": "robot", "content": "x"}],
+        [{"role": "user"}],
+        [{"type": "reasoning", "content": "x"}],
+        10**30,
+    ]
     for field in ("input", "tools", "tool_choice", "text", "reasoning", "metadata", "instructions"):
         for value in odd:
             r = http.post(

@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.routing import APIRoute
 from starlette.routing import Mount
 
 from gptoss_max import settings
@@ -97,15 +96,9 @@ def build_app(
 
 
 def mount(app: FastAPI, state: ServerState) -> None:
-    """Put our routes on MAX's app, replacing MAX's own at the same paths."""
-    router = build_router(state)
-    ours = {(r.path, m) for r in router.routes if isinstance(r, APIRoute) for m in r.methods}
-    app.router.routes[:] = [
-        r
-        for r in app.router.routes
-        if not (isinstance(r, APIRoute) and any((r.path, m) in ours for m in r.methods))
-    ]
-    app.include_router(router)
+    """Put our routes on MAX's app ahead of MAX's own, so ours answer at the paths we share."""
+    app.include_router(build_router(state))
+    app.router.routes.insert(0, app.router.routes.pop())  # routes match in order
     if not any(isinstance(r, Mount) and r.path == "/metrics" for r in app.router.routes):
         app.mount("/metrics", _metrics_app())
     app.state.gptoss = state

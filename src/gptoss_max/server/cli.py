@@ -1,0 +1,134 @@
+"""`gptoss-max serve`: MAX's serving app and model worker, with our routes mounted.
+
+Mirrors MAX's own `serve_api_server_and_model_worker` (max/_entrypoints/cli/serve/), with
+three differences: the model is built by `gptoss_max.engine.pipeline_args` (our custom
+architecture), MAX's generic `/v1/responses` stays off (`responses` is kept out of the
+API types), and our routes replace MAX's at the paths we serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("gptoss_max.server")
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve the Responses API and Harmony chat completions on MAX"
+    )
+    p.add_argument("--model", default="auto", help="local checkpoint dir, HF repo id, or auto")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--devices", default="auto", help="auto, cpu, gpu, or gpu:0,1,...")
+    p.add_argument("--max-batch-size", type=int, default=None, help="sequences per batch")
+    p.add_argument("--max-length", type=int, default=None, help="context length in tokens")
+    p.add_argument("--max-queue-size", type=int, default=None, help="backlog before HTTP 429")
+    p.add_argument("--store", default=None, help="SQLite file for stored responses")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send")
+    p.add_argument("--enable-bench", action="store_true", help="turn on GET /bench")
+    p.set_defaults(func=serve_main)
+    return p
+
+
+def pipeline_args(args: argparse.Namespace) -> Any:
+    """MAX PipelineArgs for `args`, built like `gptoss-max generate` builds them."""
+    from max.pipelines.lib.device_specs import coerce_device_specs_input
+    from max.pipelines.modeling.types import PipelineTask
+
+    from gptoss_max.cli import resolve_model
+    from gptoss_max.engine import EngineOptions, has_gpu
+    from gptoss_max.engine import pipeline_args as engine_pipeline_args
+
+    device = args.devices if args.devices in ("auto", "cpu", "gpu") else "gpu"
+    on_gpu = has_gpu() if device == "auto" else device == "gpu"
+    opts: dict[str, Any] = {"model": resolve_model(args.model, on_gpu), "device": device}
+    if args.max_length:
+        opts["max_length"] = args.max_length
+    if args.max_batch_size:
+        opts["max_batch_size"] = args.max_batch_size
+    update: dict[str, Any] = {"task": PipelineTask.TEXT_GENERATION}
+    if args.served_model_name:
+        update["served_model_name"] = args.served_model_name
+    if args.devices not in ("auto", "cpu", "gpu"):
+        update["device_specs"] = coerce_device_specs_input(args.devices)
+    return engine_pipeline_args(EngineOptions(**opts)).model_copy(update=update)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    import signal
+
+    import uvloop
+    from max.pipelines import PIPELINE_REGISTRY
+    from max.pipelines.lib import PipelineConfig
+    from max.serve.api_server import (
+        ServingTokenGeneratorSettings,
+        fastapi_app,
+        fastapi_config,
+        lifespan,
+        validate_port_is_free,
+    )
+    from max.serve.config import APIType, MetricRecordingMethod, Settings
+    from max.serve.telemetry.common import configure_logging
+    from sse_starlette.sse import unpatch_uvicorn_signal_handler
+    from uvicorn import Server
+
+    from gptoss_max.server.app import mount
+    from gptoss_max.server.max_engine import MaxEngine
+    from gptoss_max.server.state import ServerState
+    from gptoss_max.server.store import ResponseStore
+
+    settings_kw: dict[str, Any] = {
+        "MAX_SERVE_HOST": args.host,
+        "MAX_SERVE_PORT": args.port,
+        "MAX_SERVE_API_TYPES": [APIType.OPENAI],
+        "MAX_SERVE_METRIC_RECORDING_METHOD": MetricRecordingMethod.ASYNCIO,
+    }
+    if args.max_queue_size is not None:
+        settings_kw["MAX_SERVE_MAX_QUEUE_SIZE"] = args.max_queue_size
+    settings = Settings(**settings_kw)
+    configure_logging(settings)
+    validate_port_is_free(settings.port)
+
+    config = PipelineConfig.from_args(pipeline_args(args))
+    retrieved = PIPELINE_REGISTRY.retrieve_factory(config, task=config.task)
+    serving = ServingTokenGeneratorSettings(
+        model_factory=retrieved.factory,
+        pipeline_config=config,
+        tokenizer=retrieved.tokenizer,
+        task=config.task,
+        memory_plan=retrieved.memory_plan,
+    )
+    app = fastapi_app(settings, serving)
+    engine = MaxEngine(
+        app,
+        model_name=config.models.model_name,
+        max_context=int(retrieved.tokenizer.max_length),
+        sampling_defaults=config.model.sampling_params_defaults,
+    )
+    store = ResponseStore(Path(args.store) if args.store else None)
+    mount(app, ServerState(engine, store, enable_bench=args.enable_bench))
+    logger.info(
+        "serving %s (context %d) on %s:%d; responses stored in %s",
+        engine.model_name,
+        engine.max_context,
+        args.host,
+        args.port,
+        store.path,
+    )
+    server = Server(fastapi_config(app, settings))
+
+    async def serve() -> None:
+        async with lifespan(app, settings, serving, app.state.zmq_endpoint_base):
+            await server.serve()
+
+    def exit_on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds the lifespan, which stops the model worker
+
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    unpatch_uvicorn_signal_handler()
+    uvloop.run(serve())
+    return 0

@@ -1,0 +1,131 @@
+"""Harmony-correct /v1/chat/completions through the openai SDK."""
+
+import contextlib
+import json
+
+import openai
+import pytest
+from openai import OpenAI
+
+from gptoss_max.server.app import build_app
+from gptoss_max.server.engine import ScriptedEngine
+from server_fixtures import AFTER_TOOL, FINAL, TOOL_CALL, decode, long_script, serving
+
+CHAT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture
+def make(tmp_path):
+    with contextlib.ExitStack() as stack:
+
+        def make(scripts):
+            engine = ScriptedEngine(scripts)
+            base = stack.enter_context(serving(build_app(engine, tmp_path / "r.sqlite3")))
+            return engine, OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+
+        yield make
+
+
+def test_reasoning_content_and_content_are_split(make):
+    engine, client = make([FINAL])
+    out = client.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "system", "content": "Be warm."}, {"role": "user", "content": "Hi"}],
+        reasoning_effort="high",
+    )
+    choice = out.choices[0]
+    assert choice.message.content == "Hello there!" and choice.finish_reason == "stop"
+    assert choice.message.model_extra["reasoning_content"] == "The user greets. Greet back."
+    assert out.usage.completion_tokens == engine.emitted[0]
+    assert out.usage.completion_tokens_details.reasoning_tokens > 0
+    prompt = decode(engine.prompts[0])
+    assert "Reasoning: high" in prompt and "# Instructions\n\nBe warm." in prompt
+
+
+def test_tool_calls_then_tool_result_keeps_the_chain(make):
+    engine, client = make([TOOL_CALL, AFTER_TOOL])
+    messages = [{"role": "user", "content": "Weather?"}]
+    first = client.chat.completions.create(
+        model=engine.model_name, messages=messages, tools=[CHAT_TOOL]
+    )
+    msg = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Checking the weather."
+    [call] = msg.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Paris"
+    }
+    messages += [
+        {
+            "role": "assistant",
+            "content": msg.content,
+            "reasoning_content": msg.model_extra["reasoning_content"],
+            "tool_calls": [call.model_dump(exclude_none=True)],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp":20}'},
+    ]
+    second = client.chat.completions.create(
+        model=engine.model_name, messages=messages, tools=[CHAT_TOOL]
+    )
+    assert second.choices[0].message.content == "It is 20C in Paris."
+    prompt = decode(engine.prompts[1])
+    assert prompt.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather for Paris.<|end|>"
+        "<|start|>assistant<|channel|>commentary<|message|>Checking the weather.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+        '<|message|>{"city":"Paris"}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary"
+        '<|message|>{"temp":20}<|end|><|start|>assistant'
+    )
+
+
+def test_stream_deltas_assemble_to_the_same_message(make):
+    engine, client = make([TOOL_CALL])
+    stream = client.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[CHAT_TOOL],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    reasoning, content, args, names, finish, usage = "", "", "", [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                names += [tc.function.name] if tc.function.name else []
+                args += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert reasoning == "Need the weather for Paris." and content == "Checking the weather."
+    assert names == ["get_weather"] and json.loads(args) == {"city": "Paris"}
+    assert finish == "tool_calls" and usage.completion_tokens == engine.emitted[0]
+
+
+def test_length_finish_reason(make):
+    engine, client = make([long_script(40)])
+    out = client.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "Talk"}], max_tokens=6
+    )
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
+
+
+def test_unknown_tool_call_id_is_400(make):
+    engine, client = make([FINAL])
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=engine.model_name,
+            messages=[{"role": "tool", "tool_call_id": "nope", "content": "x"}],
+        )
+    assert err.value.body["param"] == "messages[0].tool_call_id"

@@ -1,0 +1,128 @@
+"""MaxEngine over a stand-in for MAX's TokenGeneratorPipeline (MAX's real types, no model)."""
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from max.pipelines.context import GenerationStatus, PromptTooLongError
+from max.serve.pipelines.llm import TokenGeneratorOutput
+from max.serve.worker_interface import RequestQueueFull
+from openai import OpenAI
+
+from gptoss_max.harmony.render import encode_harmony
+from gptoss_max.server.app import build_app, mount
+from gptoss_max.server.engine import GenParams, PromptTooLong, QueueFull
+from gptoss_max.server.max_engine import MaxEngine
+from gptoss_max.server.state import ServerState
+from gptoss_max.server.store import ResponseStore
+from server_fixtures import FINAL, serving
+
+
+class FakePipeline:
+    """Streams `script` in chunks of 3 ids, as TokenGeneratorOutputs."""
+
+    def __init__(self, script, error=None):
+        self.script, self.error = script, error
+        self.requests, self.cancelled, self.closed = [], [], 0
+        self.model_worker = SimpleNamespace(cancel=self.cancelled.append)
+
+    async def next_token_chunk(self, request, *, parse_reasoning=True):
+        assert parse_reasoning is False
+        if self.error:
+            raise self.error
+        self.requests.append(request)
+        return self._outputs(request)
+
+    async def _outputs(self, request):
+        ids = self.script[: request.sampling_params.max_new_tokens]
+        try:
+            for i in range(0, len(ids), 3):
+                last = i + 3 >= len(ids)
+                status = GenerationStatus.END_OF_SEQUENCE if last else GenerationStatus.ACTIVE
+                yield TokenGeneratorOutput(
+                    status=status,
+                    token_ids=ids[i : i + 3],
+                    cached_token_count=5 if i == 0 else None,
+                )
+                await asyncio.sleep(0)
+        finally:
+            self.closed += 1
+
+
+def engine_for(pipeline, max_context=4096):
+    app = SimpleNamespace(state=SimpleNamespace(pipeline=pipeline))
+    return MaxEngine(app, "gpt-oss-max", max_context)
+
+
+async def collect(engine, params, stop_after=None):
+    out, it = [], engine.generate([1, 2, 3], params)
+    async for chunk in it:
+        out.append(chunk)
+        if stop_after and len(out) == stop_after:
+            await it.aclose()
+            break
+    return out
+
+
+def test_streams_token_ids_with_the_request_it_built():
+    pipe = FakePipeline(list(range(10)))
+    chunks = asyncio.run(collect(engine_for(pipe), GenParams(max_new_tokens=8, temperature=0.3)))
+    assert [list(c) for c in chunks] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert chunks[0].cached_tokens == 5
+    [req] = pipe.requests
+    assert req.prompt == [1, 2, 3] and req.model_name == "gpt-oss-max"
+    sp = req.sampling_params
+    assert sp.max_new_tokens == 8 and sp.temperature == 0.3
+    assert sp.stop_token_ids == [200002, 200012, 199999] and not sp.ignore_eos
+    assert pipe.cancelled == [] and pipe.closed == 1
+
+
+def test_leaving_early_cancels_in_the_worker():
+    pipe = FakePipeline(list(range(30)))
+    asyncio.run(collect(engine_for(pipe), GenParams(max_new_tokens=30), stop_after=2))
+    assert pipe.cancelled == [pipe.requests[0].request_id] and pipe.closed == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [(RequestQueueFull("full"), QueueFull), (PromptTooLongError(9000, 4096), PromptTooLong)],
+)
+def test_admission_errors_map_to_engine_errors(error, expected):
+    with pytest.raises(expected):
+        asyncio.run(collect(engine_for(FakePipeline([], error=error)), GenParams(8)))
+
+
+def test_server_over_max_engine(tmp_path):
+    pipe = FakePipeline(encode_harmony(FINAL))
+    engine = engine_for(pipe)
+    with serving(build_app(engine, tmp_path / "r.sqlite3")) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        resp = client.responses.create(model="gpt-oss-max", input="Hi")
+    assert resp.output_text == "Hello there!"
+    assert resp.usage.input_tokens_details.cached_tokens == 5
+    assert pipe.cancelled == []
+
+
+def test_mount_replaces_max_routes_at_our_paths(tmp_path):
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def max_chat():
+        return {"from": "max"}
+
+    @app.post("/v1/completions")
+    async def max_completions():
+        return {"from": "max"}
+
+    engine = engine_for(FakePipeline(encode_harmony(FINAL)))
+    mount(app, ServerState(engine, ResponseStore(tmp_path / "r.sqlite3")))
+    with serving(app) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(
+            model="gpt-oss-max", messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert chat.choices[0].message.content == "Hello there!"
+        assert httpx.post(f"{base}/v1/completions", json={}).json() == {"from": "max"}
+        assert client.responses.create(model="gpt-oss-max", input="Hi").status == "completed"
