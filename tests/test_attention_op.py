@@ -31,25 +31,39 @@ def fidelity_summary(request: pytest.FixtureRequest):
         print("\n[attention op] " + "\n[attention op] ".join(_summary))
 
 
-@pytest.fixture(scope="module")
-def model():
-    """Outputs: (windowed attention, full attention); the cache is updated in place."""
+def _compile(ours: bool):
+    """Graph: store this step's K/V with MAX's op, then attend over the cache.
+
+    ours=True outputs (our op with WINDOW, our op without window);
+    ours=False outputs MAX's own CPU flash_attention_ragged with sinks (causal:
+    MAX's CPU kernel rejects windows < 256). The cache is updated in place.
+    """
     from max.driver import CPU
     from max.dtype import DType
     from max.engine import InferenceSession
     from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
-    from max.nn.kernels import kv_cache_store_paged_ragged
-    from max.nn.kv_cache import PagedCacheValues
+    from max.nn.attention import MHAMaskVariant
+    from max.nn.kernels import flash_attention_ragged, kv_cache_store_paged_ragged
+    from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
 
     from gptoss_max.kernels.ops import attention_with_sinks
 
     cpu = DeviceRef.CPU()
     f32, u32 = DType.float32, DType.uint32
+    params = MHAKVCacheParams(
+        dtype=f32,
+        n_kv_heads=N_KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_layers=N_LAYERS,
+        page_size=PAGE_SIZE,
+        devices=[cpu],
+    )
+    assert params.shape_per_block == [2, N_LAYERS, PAGE_SIZE, N_KV_HEADS, HEAD_DIM]
     types = [
         TensorType(f32, ["T", N_HEADS, HEAD_DIM], cpu),  # q
         TensorType(f32, ["T", N_KV_HEADS, HEAD_DIM], cpu),  # new k
         TensorType(f32, ["T", N_KV_HEADS, HEAD_DIM], cpu),  # new v
-        BufferType(f32, ["P", 2, N_LAYERS, PAGE_SIZE, N_KV_HEADS, HEAD_DIM], cpu),
+        BufferType(f32, ["P", *params.shape_per_block], cpu),
         TensorType(DType.int64, [1], cpu),  # page_stride
         TensorType(u32, ["B"], cpu),  # cache_lengths
         TensorType(u32, ["B", "M"], cpu),  # lookup_table
@@ -57,9 +71,10 @@ def model():
         TensorType(u32, [1], cpu),  # max_cache_length
         TensorType(u32, ["B1"], cpu),  # input_row_offsets
         TensorType(f32, [N_HEADS], cpu),  # sinks
+        TensorType(DType.int64, [4], cpu),  # MAX's attention dispatch metadata
     ]
-    with Graph("attention_with_sinks", input_types=types) as graph:
-        q, k, v, blocks, stride, lengths, table, max_prompt, max_cache, offsets, sinks = (
+    with Graph(f"attention_sinks_{'ours' if ours else 'max'}", input_types=types) as graph:
+        q, k, v, blocks, stride, lengths, table, max_prompt, max_cache, offsets, sinks, meta = (
             graph.inputs
         )
         kv = PagedCacheValues(
@@ -69,18 +84,37 @@ def model():
             max_prompt_length=max_prompt.tensor,
             max_cache_length=max_cache.tensor,
             page_stride=stride.tensor,
+            attention_dispatch_metadata=meta.tensor,
         )
         layer = ops.constant(LAYER, u32, device=cpu)
         for which, x in enumerate((k.tensor, v.tensor)):
             kv_cache_store_paged_ragged(kv, x, offsets.tensor, layer, key_or_value=which)
-        args = (kv, layer, offsets.tensor, sinks.tensor, SCALE)
-        windowed = attention_with_sinks(q.tensor, *args, window=WINDOW)
-        full = attention_with_sinks(q.tensor, *args, window=None)
-        graph.output(windowed, full)
+        if ours:
+            args = (kv, layer, offsets.tensor, sinks.tensor, SCALE)
+            windowed = attention_with_sinks(q.tensor, *args, window=WINDOW)
+            graph.output(windowed, attention_with_sinks(q.tensor, *args, window=None))
+        else:
+            kv.kv_blocks_per_layer = None
+            full = flash_attention_ragged(
+                params,
+                input=q.tensor,
+                input_row_offsets=offsets.tensor,
+                kv_collection=kv,
+                layer_idx=layer,
+                mask_variant=MHAMaskVariant.CAUSAL_MASK,
+                scale=SCALE,
+                sink_weights=sinks.tensor,
+            )
+            graph.output(full)
     start = time.perf_counter()
     compiled = InferenceSession(devices=[CPU()]).load(graph)
-    _summary.append(f"compile: {time.perf_counter() - start:.1f} s")
+    _summary.append(f"compile {graph.name}: {time.perf_counter() - start:.1f} s")
     return compiled
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _compile(ours=True)
 
 
 @dataclass
@@ -105,102 +139,136 @@ def _reference(q, keys, values, sinks, positions, window):
     return out
 
 
-def _run_case(model, batch: Batch, seed: int, page_pad: int) -> None:
-    """`page_pad` > 0 puts the pages `page_pad` elements further apart than
-    packed and passes that stride as `page_stride` (MAX's padded pools)."""
-    from max.driver import Buffer
+@dataclass
+class Case:
+    """One step's inputs plus what the checks need; `page_pad` > 0 puts pages
+    that many elements further apart than packed (MAX's padded pools)."""
 
-    rng = np.random.default_rng(seed)
-    n_seq = len(batch.new_tokens)
-    totals = [c + n for c, n in zip(batch.cache_lengths, batch.new_tokens, strict=True)]
-    # Every sequence gets scattered pages; the rest of the pool holds garbage.
-    pages = rng.permutation(N_PAGES)
-    table = np.zeros((n_seq, MAX_PAGES), np.uint32)
-    cursor = 0
-    for b, total in enumerate(totals):
-        used = -(-total // PAGE_SIZE)
-        table[b, :used] = pages[cursor : cursor + used]
-        cursor += used
-    page_shape = (2, N_LAYERS, PAGE_SIZE, N_KV_HEADS, HEAD_DIM)
-    stride = int(np.prod(page_shape)) + page_pad
-    pool = (100 * rng.standard_normal(N_PAGES * stride)).astype(np.float32)
-    pages_of = pool.reshape(N_PAGES, stride)[:, : stride - page_pad].reshape(N_PAGES, *page_shape)
-    keys = [rng.standard_normal((t, N_KV_HEADS, HEAD_DIM)).astype(np.float32) for t in totals]
-    values = [rng.standard_normal((t, N_KV_HEADS, HEAD_DIM)).astype(np.float32) for t in totals]
-    for b, cached in enumerate(batch.cache_lengths):  # history, in the layout we read
-        for p in range(cached):
-            page, slot = table[b, p // PAGE_SIZE], p % PAGE_SIZE
-            pages_of[page, 0, LAYER, slot] = keys[b][p]
-            pages_of[page, 1, LAYER, slot] = values[b][p]
-    # The graph sees a packed-shaped view; with padding it is shorter than the
-    # span the stride reaches (as MAX binds it), so the pool must be aliased.
-    n_view = len(pool) // (stride - page_pad)
-    blocks = Buffer.from_numpy(pool[: n_view * (stride - page_pad)].reshape(n_view, *page_shape))
-    offsets = np.concatenate([[0], np.cumsum(batch.new_tokens)]).astype(np.uint32)
-    new_k = np.concatenate([keys[b][c:] for b, c in enumerate(batch.cache_lengths)])
-    new_v = np.concatenate([values[b][c:] for b, c in enumerate(batch.cache_lengths)])
-    # Scaled so that some logits exceed the sink (exercises the running max).
-    q = (4 * rng.standard_normal((int(offsets[-1]), N_HEADS, HEAD_DIM))).astype(np.float32)
-    sinks = (6 + rng.standard_normal(N_HEADS)).astype(np.float32)
+    batch: Batch
+    page_pad: int
+    seed: int
 
-    inputs = [
-        q,
-        new_k,
-        new_v,
-        blocks,
-        np.array([stride if page_pad else -1], np.int64),
-        np.array(batch.cache_lengths, np.uint32),
-        table,
-        np.array([max(batch.new_tokens)], np.uint32),
-        np.array([max(totals)], np.uint32),
-        offsets,
-        sinks,
-    ]
-    args = [
-        a if isinstance(a, Buffer) else Buffer.from_numpy(np.ascontiguousarray(a)) for a in inputs
-    ]
-    windowed, full = (o.to_numpy() for o in model.execute(*args))
+    def __post_init__(self) -> None:
+        from max.driver import Buffer
 
-    for b, (cached, total) in enumerate(zip(batch.cache_lengths, totals, strict=True)):
-        for p in range(cached, total):  # MAX wrote this step's K/V where we read it
-            page, slot = table[b, p // PAGE_SIZE], p % PAGE_SIZE
-            np.testing.assert_array_equal(pages_of[page, 0, LAYER, slot], keys[b][p])
-            np.testing.assert_array_equal(pages_of[page, 1, LAYER, slot], values[b][p])
+        rng = np.random.default_rng(self.seed)
+        b_ = self.batch
+        n_seq = len(b_.new_tokens)
+        self.totals = [c + n for c, n in zip(b_.cache_lengths, b_.new_tokens, strict=True)]
+        # Each sequence gets scattered pages; the rest of the pool holds garbage.
+        pages = rng.permutation(N_PAGES)
+        self.table = np.zeros((n_seq, MAX_PAGES), np.uint32)
+        cursor = 0
+        for b, total in enumerate(self.totals):
+            used = -(-total // PAGE_SIZE)
+            self.table[b, :used] = pages[cursor : cursor + used]
+            cursor += used
+        page_shape = (2, N_LAYERS, PAGE_SIZE, N_KV_HEADS, HEAD_DIM)
+        packed = int(np.prod(page_shape))
+        stride = packed + self.page_pad
+        pool = (100 * rng.standard_normal(N_PAGES * stride)).astype(np.float32)
+        self.pages = pool.reshape(N_PAGES, stride)[:, :packed].reshape(N_PAGES, *page_shape)
+        kv_shape = (N_KV_HEADS, HEAD_DIM)
+        self.keys = [rng.standard_normal((t, *kv_shape)).astype(np.float32) for t in self.totals]
+        self.values = [rng.standard_normal((t, *kv_shape)).astype(np.float32) for t in self.totals]
+        for b, cached in enumerate(b_.cache_lengths):  # history, in the layout we read
+            for p in range(cached):
+                self.pages[self._page(b, p), 0, LAYER, p % PAGE_SIZE] = self.keys[b][p]
+                self.pages[self._page(b, p), 1, LAYER, p % PAGE_SIZE] = self.values[b][p]
+        # The graph gets a packed-shaped view; padded, it is shorter than the
+        # span the stride reaches (as MAX binds it), so the pool must be aliased.
+        view = pool[: len(pool) // packed * packed].reshape(-1, *page_shape)
+        self.offsets = np.concatenate([[0], np.cumsum(b_.new_tokens)]).astype(np.uint32)
+        new_k = np.concatenate([self.keys[b][c:] for b, c in enumerate(b_.cache_lengths)])
+        new_v = np.concatenate([self.values[b][c:] for b, c in enumerate(b_.cache_lengths)])
+        # Scaled so that some logits exceed the sink (exercises the running max).
+        q_shape = (int(self.offsets[-1]), N_HEADS, HEAD_DIM)
+        self.q = (4 * rng.standard_normal(q_shape)).astype(np.float32)
+        self.sinks = (6 + rng.standard_normal(N_HEADS)).astype(np.float32)
+        arrays = [
+            self.q,
+            new_k,
+            new_v,
+            None,
+            np.array([stride if self.page_pad else -1], np.int64),
+            np.array(b_.cache_lengths, np.uint32),
+            self.table,
+            np.array([max(b_.new_tokens)], np.uint32),
+            np.array([max(self.totals)], np.uint32),
+            self.offsets,
+            self.sinks,
+            np.array([n_seq, max(b_.new_tokens), 1, max(self.totals)], np.int64),
+        ]
+        self.inputs = [
+            Buffer.from_numpy(view if a is None else np.ascontiguousarray(a)) for a in arrays
+        ]
 
-    for window, out in ((WINDOW, windowed), (None, full)):
-        ref = np.concatenate(
-            [
-                _reference(
-                    q[offsets[b] : offsets[b + 1]],
-                    keys[b],
-                    values[b],
-                    sinks,
-                    range(batch.cache_lengths[b], totals[b]),
-                    window,
-                )
-                for b in range(n_seq)
-            ]
-        )
+    def _page(self, b: int, p: int) -> int:
+        return int(self.table[b, p // PAGE_SIZE])
+
+    def check_store(self) -> None:
+        """MAX's store put this step's K/V where our op reads them."""
+        for b, (cached, total) in enumerate(
+            zip(self.batch.cache_lengths, self.totals, strict=True)
+        ):
+            for p in range(cached, total):
+                page, slot = self._page(b, p), p % PAGE_SIZE
+                np.testing.assert_array_equal(self.pages[page, 0, LAYER, slot], self.keys[b][p])
+                np.testing.assert_array_equal(self.pages[page, 1, LAYER, slot], self.values[b][p])
+
+    def reference(self, window: int | None) -> np.ndarray:
+        parts = []
+        for b, cached in enumerate(self.batch.cache_lengths):
+            q = self.q[self.offsets[b] : self.offsets[b + 1]]
+            positions = range(cached, self.totals[b])
+            parts.append(_reference(q, self.keys[b], self.values[b], self.sinks, positions, window))
+        return np.concatenate(parts)
+
+    def rel_err(self, out: np.ndarray, window: int | None, label: str) -> float:
         assert np.isfinite(out).all()
+        ref = self.reference(window)
         rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         _summary.append(
-            f"cache {batch.cache_lengths} new {batch.new_tokens} pad {page_pad} "
-            f"window {window}: rel err {rel:.2e}"
+            f"{label:<4} cache {self.batch.cache_lengths} new {self.batch.new_tokens} "
+            f"pad {self.page_pad} window {window}: rel err {rel:.2e}"
         )
+        return rel
+
+
+BATCHES = [
+    Batch([0, 0], [7, 3]),  # two prefills of different lengths
+    Batch([5, 0], [3, 9]),  # a chunk after a cached prefix, and a prefill
+    Batch([10, 3], [1, 1]),  # decode steps
+]
+BATCH_IDS = ["prefill", "chunked", "decode"]
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=BATCH_IDS)
+@pytest.mark.parametrize("page_pad", [0, 40], ids=["packed", "padded"])
+def test_attention_with_sinks(model, batch: Batch, page_pad: int) -> None:
+    case = Case(batch, page_pad, seed=sum(batch.cache_lengths) + sum(batch.new_tokens))
+    outs = [o.to_numpy() for o in model.execute(*case.inputs)]
+    case.check_store()
+    for window, out in zip((WINDOW, None), outs, strict=True):
+        ref = case.reference(window)
+        assert case.rel_err(out, window, "ours") <= 1e-5
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize(
-    "batch",
-    [
-        Batch([0, 0], [7, 3]),  # two prefills of different lengths
-        Batch([5, 0], [3, 9]),  # a chunk after a cached prefix, and a prefill
-        Batch([10, 3], [1, 1]),  # decode steps
-    ],
-    ids=["prefill", "chunked", "decode"],
-)
-@pytest.mark.parametrize("page_pad", [0, 40], ids=["packed", "padded"])
-def test_attention_with_sinks(model, batch: Batch, page_pad: int) -> None:
-    _run_case(
-        model, batch, seed=sum(batch.cache_lengths) + sum(batch.new_tokens), page_pad=page_pad
-    )
+@pytest.mark.parametrize("batch", BATCHES, ids=BATCH_IDS)
+def test_max_cpu_sink_attention(batch: Batch) -> None:
+    """MAX 26.7's own CPU flash_attention_ragged with sinks, same cache and
+    reference (causal only), so its disagreement is measured, not assumed."""
+    maxed = _max_model()
+    case = Case(batch, 0, seed=sum(batch.cache_lengths) + sum(batch.new_tokens))
+    (out,) = [o.to_numpy() for o in maxed.execute(*case.inputs)]
+    assert case.rel_err(out, None, "MAX") <= 1e-4
+
+
+_MAX_MODEL: list = []
+
+
+def _max_model():
+    if not _MAX_MODEL:
+        _MAX_MODEL.append(_compile(ours=False))
+    return _MAX_MODEL[0]
