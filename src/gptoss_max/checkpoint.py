@@ -141,3 +141,17 @@ def save_safetensors(path: Path, tensors: Mapping[str, tuple[np.ndarray, str]]) 
         fh.write(head)
         for raw in blobs:
             fh.write(raw)
+
+
+_NP_DTYPES = {BF16: np.uint16, U8: np.uint8, F32: np.float32}
+
+
+def load_tensor(path: Path, name: str) -> np.ndarray:
+    """One tensor of a safetensors file as NumPy (BF16 widened exactly to float32)."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        meta = json.loads(fh.read(n))[name]
+        start, end = meta["data_offsets"]
+        fh.seek(8 + n + start)
+        raw = np.frombuffer(fh.read(end - start), dtype=_NP_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+    return from_bf16_bits(raw) if meta["dtype"] == BF16 else raw

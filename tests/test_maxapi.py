@@ -1,0 +1,34 @@
+"""The MAX internals we rely on still exist with the shapes we use (fails first on a MAX upgrade)."""
+
+from __future__ import annotations
+
+import inspect
+
+from gptoss_max import maxapi
+
+
+def test_pinned_max_version():
+    from importlib.metadata import version
+
+    assert version("max") == "26.7.0"
+
+
+def test_stock_gpt_oss_pieces():
+    assert maxapi.stock_gpt_oss_arch.name == "GptOssForCausalLM"
+    assert hasattr(maxapi.stock_block_module, "Allreduce")
+    assert {"bfloat16", "float32"} <= set(maxapi.config_enums._SUPPORTED_DEVICES)
+    params = inspect.signature(maxapi.GptOssAttention.__init__).parameters
+    assert {"rope", "kv_params", "layer_idx", "local_window_size", "layer_type"} <= set(params)
+    assert {"module", "name", "input_types", "weights", "custom_extensions"} <= set(
+        inspect.signature(maxapi.GraphSpec).parameters
+    )
+    for name in ("graph_specs", "_load_state_dict", "_create_model_config", "execute"):
+        assert callable(getattr(maxapi.GptOssModel, name))
+
+
+def test_our_architecture_registers():
+    from gptoss_max.arch import ARCHITECTURES
+
+    (arch,) = ARCHITECTURES
+    assert arch.name == "GptOssForCausalLM"
+    assert {"float32", "bfloat16", "float4_e2m1fnx2"} <= set(arch.supported_encodings)
