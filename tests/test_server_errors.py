@@ -168,7 +168,7 @@ def test_health_models_metrics_and_bench_switch(server):
     assert httpx.get(f"{base}/health").json()["status"] == "ok"
     assert [m.id for m in client.models.list()] == [engine.model_name]
     client.responses.create(model=engine.model_name, input="hi")
-    metrics = httpx.get(f"{base}/metrics/").text
+    metrics = httpx.get(f"{base}/metrics").text
     assert 'gptoss_requests_total{endpoint="responses",status="completed"}' in metrics
     assert httpx.get(f"{base}/bench").status_code == 404
 

@@ -8,6 +8,7 @@ import openai
 import pytest
 from openai import OpenAI
 from openai.types.responses import Response
+from prometheus_client import REGISTRY
 
 from gptoss_max.server.app import build_app
 from gptoss_max.server.engine import ScriptedEngine
@@ -191,6 +192,7 @@ def test_engine_failure_mid_stream_ends_as_failed_with_an_error_event(make):
 
 def test_dropped_stream_cancels_its_generation(make):
     engine, client, base = make([long_script(400)], chunk_size=1, delay=0.01)
+    cancelled_before = REGISTRY.get_sample_value("gptoss_cancelled_total") or 0
     body = {"model": engine.model_name, "input": "Talk.", "stream": True}
     with httpx.stream("POST", f"{base}/v1/responses", json=body, timeout=10) as r:
         assert r.status_code == 200
@@ -204,6 +206,8 @@ def test_dropped_stream_cancels_its_generation(make):
     while engine.cancelled == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.cancelled == 1 and engine.active == 0
+    assert REGISTRY.get_sample_value("gptoss_cancelled_total") == cancelled_before + 1
+    assert "gptoss_cancelled_total" in httpx.get(f"{base}/metrics").text
     assert engine.emitted[0] < 200, "generation stopped soon after the client left"
     assert client.models.list().data[0].id == engine.model_name, "the server is still up"
 

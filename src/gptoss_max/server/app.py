@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from starlette.routing import Mount
 
 from gptoss_max import settings
 from gptoss_max.server import chat, responses
@@ -67,14 +66,15 @@ def build_router(state: ServerState) -> APIRouter:
     async def health() -> dict:
         return {"status": "ok", "model": state.engine.model_name}
 
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        """Ours and MAX's serving metrics (both live in prometheus_client's registry)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
     router.include_router(api)
     return router
-
-
-def _metrics_app():
-    from prometheus_client import make_asgi_app
-
-    return make_asgi_app()
 
 
 def build_app(
@@ -90,7 +90,6 @@ def build_app(
     app = FastAPI(title="gptoss-max")
     app.state.gptoss = state
     app.include_router(build_router(state))
-    app.mount("/metrics", _metrics_app())
     install_handlers(app)
     return app
 
@@ -99,7 +98,5 @@ def mount(app: FastAPI, state: ServerState) -> None:
     """Put our routes on MAX's app ahead of MAX's own, so ours answer at the paths we share."""
     app.include_router(build_router(state))
     app.router.routes.insert(0, app.router.routes.pop())  # routes match in order
-    if not any(isinstance(r, Mount) and r.path == "/metrics" for r in app.router.routes):
-        app.mount("/metrics", _metrics_app())
     app.state.gptoss = state
     install_handlers(app, http_errors=False)

@@ -56,6 +56,7 @@ class Generation:
         return "completed" if self.stop_token is not None else "incomplete"
 
     async def events(self) -> AsyncIterator[ParseEvent]:
+        ended = False
         try:
             for event in self.harmony.feed_all(self.prompt.prefill):
                 yield event
@@ -67,7 +68,10 @@ class Generation:
                 if done:
                     break
                 chunk = await self._next_chunk()
+            ended = True
         finally:
+            if not ended:
+                metrics.CANCELLED.inc()
             await self.close()
         for event in self.harmony.finish(truncated=self.status == "incomplete"):
             yield event

@@ -8,6 +8,7 @@ REQUESTS = Counter(
     "gptoss_requests", "Generation requests by endpoint and final status", ["endpoint", "status"]
 )
 TOKENS = Counter("gptoss_tokens", "Tokens by kind: prompt, cached, output, reasoning", ["kind"])
+CANCELLED = Counter("gptoss_cancelled", "Generations stopped because their client went away")
 
 
 def record(

@@ -1,0 +1,150 @@
+"""The real server (`gptoss-max serve`, MAX's worker, our architecture) with the tiny model.
+
+One server per session: a tiny random checkpoint, CPU, `--max-batch-size 1`. The model is
+random, so its text is noise; what is checked is everything around it: prompts, parsing,
+usage, the event stream, storage, and that a dropped stream frees the worker. Compiles a
+MAX graph (minutes cold), hence `slow`.
+"""
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from gptoss_max.harmony import messages as hm
+from gptoss_max.harmony.render import TurnSpec, render_prompt
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gpt-oss-tiny"
+CONTEXT = 2048
+READY_TIMEOUT_S = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path, n=60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    cli = [sys.executable, "-m", "gptoss_max.cli"]
+    subprocess.run([*cli, "make-tiny", str(root / "tiny")], check=True, timeout=300)
+    port, log = _free_port(), root / "server.log"
+    args = ["serve", "--model", str(root / "tiny"), "--devices", "cpu", "--port", str(port),
+            "--served-model-name", MODEL, "--max-length", str(CONTEXT), "--max-batch-size", "1",
+            "--store", str(root / "responses.sqlite3"), "--enable-bench"]  # fmt: skip
+    env = {**os.environ, "GPTOSS_MAX_DATA": str(root / "data")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*cli, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        while True:
+            assert proc.poll() is None, f"server exited ({proc.returncode}):\n{_tail(log)}"
+            assert time.monotonic() < deadline, f"server not ready:\n{_tail(log)}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(2)
+        yield base, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def client(live):
+    return OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _prompt_len(text: str) -> int:
+    return len(render_prompt(TurnSpec(effort="low"), [hm.user(text)]).ids)
+
+
+def test_create_is_deterministic_and_accounted(client):
+    kw = dict(model=MODEL, input="Hello!", reasoning={"effort": "low"}, max_output_tokens=24,
+              temperature=0.0)  # fmt: skip
+    first, second = client.responses.create(**kw), client.responses.create(**kw)
+    assert first.status in ("completed", "incomplete")
+    usage = first.usage
+    assert 1 <= usage.output_tokens <= 24
+    assert usage.input_tokens == _prompt_len("Hello!")
+    if first.status == "incomplete":
+        assert usage.output_tokens == 24 and first.incomplete_details.reason == "max_output_tokens"
+    assert [i.model_dump(exclude={"id", "call_id"}) for i in second.output] == [
+        i.model_dump(exclude={"id", "call_id"}) for i in first.output
+    ], "greedy decoding of the same prompt gives the same items"
+    assert second.usage.input_tokens_details.cached_tokens >= 0
+    assert client.responses.retrieve(first.id).usage == first.usage
+
+
+def test_stream_matches_its_final_object(client):
+    with client.responses.stream(
+        model=MODEL, input="Tell me a story.", max_output_tokens=32, temperature=0.0
+    ) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created"
+    final = events[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    done = [e.item.id for e in events if e.type == "response.output_item.done"]
+    assert done == [item.id for item in final.response.output]
+    assert final.response.usage.output_tokens <= 32
+
+
+def test_previous_response_id_continues(client):
+    first = client.responses.create(model=MODEL, input="One.", max_output_tokens=8, temperature=0)
+    second = client.responses.create(
+        model=MODEL, input="Two.", previous_response_id=first.id, max_output_tokens=8, temperature=0
+    )
+    # without the stored history the two prompts would be the same length
+    assert second.usage.input_tokens >= first.usage.input_tokens + 5
+
+
+def test_chat_completions(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert 1 <= out.usage.completion_tokens <= 8
+
+
+def test_dropped_stream_frees_the_worker(live, client):
+    base, log = live
+    t0 = time.monotonic()
+    client.responses.create(model=MODEL, input="Go.", max_output_tokens=64, temperature=0)
+    per_token = (time.monotonic() - t0) / 64
+    budget = CONTEXT - _prompt_len("Go on and on.") - 8
+    body = {"model": MODEL, "input": "Go on and on.", "max_output_tokens": budget, "stream": True,
+            "temperature": 1.0}  # fmt: skip
+    with httpx.stream("POST", f"{base}/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: response.output_item.added"):
+                break
+    # With one batch slot, a generation that kept running would hold it for ~budget tokens.
+    t1 = time.monotonic()
+    after = client.responses.create(model=MODEL, input="Quick.", max_output_tokens=4)
+    waited = time.monotonic() - t1
+    assert after.status in ("completed", "incomplete")
+    assert waited < per_token * budget / 4, (waited, per_token * budget, _tail(log, 20))
+    metrics = httpx.get(f"{base}/metrics").text
+    assert float(re.search(r"^gptoss_cancelled_total (\S+)$", metrics, re.M).group(1)) >= 1
