@@ -67,16 +67,27 @@ def test_every_response_input_item_maps():
         {"type": "message", "role": "developer", "content": "Speak French."},
         {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
         {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Call it."}]},
-        {"type": "message", "role": "assistant", "phase": "commentary",
-         "content": [{"type": "output_text", "text": "Checking."}]},
-        {"type": "function_call", "call_id": "c1", "name": "get_weather",
-         "arguments": '{"city":"Paris"}'},
+        {
+            "type": "message",
+            "role": "assistant",
+            "phase": "commentary",
+            "content": [{"type": "output_text", "text": "Checking."}],
+        },
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city":"Paris"}',
+        },
         {"type": "function_call_output", "call_id": "c1", "output": '{"t":20}'},
-        {"type": "message", "role": "assistant",
-         "content": [{"type": "output_text", "text": "20 degrees."}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "20 degrees."}],
+        },
         {"type": "message", "role": "system", "content": "Now be terse."},
         {"type": "message", "role": "user", "content": "Thanks"},
-    ]  # fmt: skip
+    ]
     msgs = hm.from_response_items(items, calls)
     assert calls == {"c1": "get_weather"}
     text = text_of(render_prompt(TurnSpec(date="2026-01-02", tools=(WEATHER,)), msgs))
@@ -120,10 +131,14 @@ def test_unknown_call_id_names_the_field():
 
 def test_reasoning_of_every_finished_turn_is_dropped_unlike_harmony_auto_drop():
     history = [
-        hm.user("one"), hm.reasoning("r1"), hm.assistant("a1"),
-        hm.user("two"), hm.reasoning("r2"), hm.assistant("a2"),
+        hm.user("one"),
+        hm.reasoning("r1"),
+        hm.assistant("a1"),
+        hm.user("two"),
+        hm.reasoning("r2"),
+        hm.assistant("a2"),
         hm.user("three"),
-    ]  # fmt: skip
+    ]
     text = text_of(render_prompt(TurnSpec(), history))
     assert "r1" not in text and "r2" not in text and "a1" in text and "a2" in text
     # harmony 0.0.8's own auto-drop keeps r2: the reason this project drops reasoning itself
@@ -140,13 +155,22 @@ def test_chat_messages_map_reasoning_and_tool_calls():
         [
             {"role": "system", "content": "Be nice."},
             {"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": None, "reasoning_content": "Call it.",
-             "tool_calls": [{"id": "t1", "type": "function",
-                             "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Call it.",
+                "tool_calls": [
+                    {
+                        "id": "t1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{}"},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
         ],
         calls,
-    )  # fmt: skip
+    )
     assert [(m.author.role.value, m.channel, m.recipient) for m in msgs] == [
         ("developer", None, None),
         ("user", None, None),
