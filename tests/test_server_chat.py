@@ -129,3 +129,14 @@ def test_unknown_tool_call_id_is_400(make):
             messages=[{"role": "tool", "tool_call_id": "nope", "content": "x"}],
         )
     assert err.value.body["param"] == "messages[0].tool_call_id"
+
+
+def test_json_schema_response_format(make):
+    engine, client = make(['<|channel|>final<|message|>{"a":1}<|return|>'])
+    out = client.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "json please"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "obj", "schema": {}}},
+    )
+    assert out.choices[0].message.content == '{"a":1}'
+    assert "# Response Formats\n\n## obj\n\n{}" in decode(engine.prompts[0])

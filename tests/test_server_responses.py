@@ -236,3 +236,24 @@ def test_store_survives_a_restart(tmp_path):
         client.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(first.id)
+
+
+def test_client_giving_up_on_a_non_streaming_request_cancels_it(make):
+    engine, _, base = make([long_script(400)], chunk_size=1, delay=0.01)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{base}/v1/responses", json={"model": engine.model_name, "input": "x"}, timeout=0.5
+        )
+    deadline = time.monotonic() + 5
+    while engine.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.cancelled == 1 and engine.emitted[0] < 200
+
+
+def test_json_schema_format_goes_to_the_developer_message(make):
+    engine, client, _ = make(['<|channel|>final<|message|>{"answer":42}<|return|>'])
+    fmt = {"type": "json_schema", "name": "answer", "strict": True,
+           "schema": {"type": "object", "properties": {"answer": {"type": "integer"}}}}  # fmt: skip
+    resp = client.responses.create(model=engine.model_name, input="6*7?", text={"format": fmt})
+    assert resp.output_text == '{"answer":42}' and resp.text.format.name == "answer"
+    assert '# Response Formats\n\n## answer\n\n{"type":"object"' in decode(engine.prompts[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from typing import Any
 
 from gptoss_max.harmony.parse import ItemDone, ItemStarted, ParseEvent, TextDelta
 
@@ -32,8 +33,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _part(kind: str, text: str) -> dict:
-    part = {"type": _PART_TYPE[kind], "text": text}
+def _part(kind: str, text: str) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": _PART_TYPE[kind], "text": text}
     if kind == "message":
         part.update(annotations=[], logprobs=[])
     return part

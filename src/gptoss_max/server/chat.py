@@ -30,18 +30,15 @@ def _spec(req: ChatRequest) -> TurnSpec:
     choice = req.tool_choice
     named = None if isinstance(choice, str) else choice.function.name
     fmt = req.response_format
-    schema = fmt.json_schema if fmt else None
+    fmt_dict = None
+    if fmt is not None:
+        schema = fmt.json_schema.model_dump(by_alias=True) if fmt.json_schema else {}
+        fmt_dict = {**schema, "type": fmt.type}
     return TurnSpec(
         effort=req.reasoning_effort or "medium",
         tools=funcs,
         tool_choice=tools.tool_choice(choice if isinstance(choice, str) else None, named, funcs),
-        response_format=tools.response_format(
-            fmt and fmt.type,
-            schema and schema.name,
-            schema and schema.schema_,
-            schema and schema.description,
-            "response_format",
-        ),
+        response_format=tools.response_format(fmt_dict, "response_format"),
     )
 
 

@@ -53,11 +53,7 @@ def _spec(req: ResponsesRequest) -> TurnSpec:
         tools=funcs,
         tool_choice=tools.tool_choice(choice if isinstance(choice, str) else None, named, funcs),
         response_format=tools.response_format(
-            fmt and fmt.type,
-            fmt and fmt.name,
-            fmt and fmt.schema_,
-            fmt and fmt.description,
-            "text.format",
+            fmt.model_dump(by_alias=True) if fmt else None, "text.format"
         ),
     )
 

@@ -55,14 +55,16 @@ def tool_choice(choice: str | None, named: str | None, tools: tuple[FunctionTool
     return choice or "auto"
 
 
-def response_format(
-    kind: str | None, name: str | None, schema: dict | None, description: str | None, param: str
-) -> ResponseFormat:
-    if kind in (None, "text"):
+def response_format(fmt: dict[str, Any] | None, param: str) -> ResponseFormat:
+    """`{"type", "name", "schema", "description"}` (as the Responses API spells it)."""
+    kind = (fmt or {}).get("type") or "text"
+    if kind == "text":
         return ResponseFormat()
     if kind == "json_object":
         return ResponseFormat("json_object")
+    assert fmt is not None
+    name, schema = fmt.get("name"), fmt.get("schema")
     if not name or schema is None:
         raise bad_request("A json_schema format needs a name and a schema.", param)
     check_schema(schema, f"{param}.schema", must_be_object=False)
-    return ResponseFormat("json_schema", name, schema, description)
+    return ResponseFormat("json_schema", name, schema, fmt.get("description"))
