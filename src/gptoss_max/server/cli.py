@@ -58,40 +58,31 @@ def pipeline_args(args: argparse.Namespace) -> Any:
     return engine_pipeline_args(EngineOptions(**opts)).model_copy(update=update)
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    import signal
-
-    import uvloop
-    from max.pipelines import PIPELINE_REGISTRY
-    from max.pipelines.lib import PipelineConfig
-    from max.serve.api_server import (
-        ServingTokenGeneratorSettings,
-        fastapi_app,
-        fastapi_config,
-        lifespan,
-        validate_port_is_free,
-    )
+def serve_settings(args: argparse.Namespace) -> Any:
+    """MAX's serving settings: its OpenAI routes (ours replace some), never its /v1/responses."""
     from max.serve.config import APIType, MetricRecordingMethod, Settings
-    from max.serve.telemetry.common import configure_logging
-    from sse_starlette.sse import unpatch_uvicorn_signal_handler
-    from uvicorn import Server
 
-    from gptoss_max.server.app import mount
-    from gptoss_max.server.max_engine import MaxEngine
-    from gptoss_max.server.state import ServerState
-    from gptoss_max.server.store import ResponseStore
-
-    settings_kw: dict[str, Any] = {
+    kw: dict[str, Any] = {
         "MAX_SERVE_HOST": args.host,
         "MAX_SERVE_PORT": args.port,
         "MAX_SERVE_API_TYPES": [APIType.OPENAI],
         "MAX_SERVE_METRIC_RECORDING_METHOD": MetricRecordingMethod.ASYNCIO,
     }
     if args.max_queue_size is not None:
-        settings_kw["MAX_SERVE_MAX_QUEUE_SIZE"] = args.max_queue_size
-    settings = Settings(**settings_kw)
-    configure_logging(settings)
-    validate_port_is_free(settings.port)
+        kw["MAX_SERVE_MAX_QUEUE_SIZE"] = args.max_queue_size
+    return Settings(**kw)
+
+
+def build_max_app(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
+    """MAX's app (its model worker starts later, in `lifespan`) with our routes mounted."""
+    from max.pipelines import PIPELINE_REGISTRY
+    from max.pipelines.lib import PipelineConfig
+    from max.serve.api_server import ServingTokenGeneratorSettings, fastapi_app
+
+    from gptoss_max.server.app import mount
+    from gptoss_max.server.max_engine import MaxEngine
+    from gptoss_max.server.state import ServerState
+    from gptoss_max.server.store import ResponseStore
 
     config = PipelineConfig.from_args(pipeline_args(args))
     retrieved = PIPELINE_REGISTRY.retrieve_factory(config, task=config.task)
@@ -112,13 +103,27 @@ def serve_main(args: argparse.Namespace) -> int:
     store = ResponseStore(Path(args.store) if args.store else None)
     mount(app, ServerState(engine, store, enable_bench=args.enable_bench))
     logger.info(
-        "serving %s (context %d) on %s:%d; responses stored in %s",
+        "serving %s (context %d); responses stored in %s",
         engine.model_name,
         engine.max_context,
-        args.host,
-        args.port,
         store.path,
     )
+    return app, serving
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    import signal
+
+    import uvloop
+    from max.serve.api_server import fastapi_config, lifespan, validate_port_is_free
+    from max.serve.telemetry.common import configure_logging
+    from sse_starlette.sse import unpatch_uvicorn_signal_handler
+    from uvicorn import Server
+
+    validate_port_is_free(args.port)
+    settings = serve_settings(args)
+    configure_logging(settings)
+    app, serving = build_max_app(args, settings)
     server = Server(fastapi_config(app, settings))
 
     async def serve() -> None:
