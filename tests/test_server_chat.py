@@ -140,3 +140,14 @@ def test_json_schema_response_format(make):
     )
     assert out.choices[0].message.content == '{"a":1}'
     assert "# Response Formats\n\n## obj\n\n{}" in decode(engine.prompts[0])
+
+
+def test_client_defaults_pass_but_real_penalties_are_refused(make):
+    engine, client = make([FINAL])
+    ok = dict(frequency_penalty=0, presence_penalty=0, logprobs=False, n=1, stop=[])
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert client.chat.completions.create(model=engine.model_name, messages=msgs, **ok).choices
+    for bad in ({"frequency_penalty": 0.5}, {"logprobs": True}, {"stop": ["x"]}, {"n": 2}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=engine.model_name, messages=msgs, **bad)
+        assert err.value.body["param"] == next(iter(bad))

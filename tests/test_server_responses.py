@@ -257,3 +257,12 @@ def test_json_schema_format_goes_to_the_developer_message(make):
     resp = client.responses.create(model=engine.model_name, input="6*7?", text={"format": fmt})
     assert resp.output_text == '{"answer":42}' and resp.text.format.name == "answer"
     assert '# Response Formats\n\n## answer\n\n{"type":"object"' in decode(engine.prompts[0])
+
+
+def test_required_tool_choice_forces_a_call(make):
+    engine, client, _ = make([".get_weather <|constrain|>json<|message|>{}<|call|>"])
+    resp = client.responses.create(
+        model=engine.model_name, input="Hi", tools=[WEATHER_TOOL], tool_choice="required"
+    )
+    assert [(i.type, i.name) for i in resp.output] == [("function_call", "get_weather")]
+    assert decode(engine.prompts[0]).endswith("<|channel|>commentary to=functions")

@@ -213,6 +213,11 @@ class ChatRequest(Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: Literal[False] | None = None
+    # Sent as defaults by many clients: accepted at their no-op values only.
+    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    logprobs: Literal[False] | None = None
+    stop: Annotated[list[str], Field(max_length=0)] | None = None
 
 
 _TAGS = ("message", "reasoning", "function_call", "function_call_output")
