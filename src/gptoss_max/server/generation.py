@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 from fastapi import Request
@@ -142,11 +142,12 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events whose source is closed as soon as the client disconnects."""
+    """Server-sent events whose source (and generation) is closed once the client leaves."""
 
-    def __init__(self, content: AsyncIterator[str], **kwargs: Any):
+    def __init__(self, content: AsyncIterator[str], generation: Generation):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers, **kwargs)
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -164,3 +165,4 @@ class EventStream(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            await self.generation.close()  # also when the stream never started

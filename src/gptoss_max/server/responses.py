@@ -173,7 +173,7 @@ async def create(request: Request, state: ServerState) -> Response:
     await until_disconnected(request, gen.start())
     run = ResponseRun(state, req, turn, gen)
     if req.stream:
-        return EventStream(run.sse())
+        return EventStream(run.sse(), gen)
     return JSONResponse(await until_disconnected(request, run.complete()))
 
 
