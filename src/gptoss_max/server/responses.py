@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from gptoss_max.server.generation import EventStream, Generation, until_disconne
 from gptoss_max.server.schemas import NamedFunction, ResponsesRequest, parse_request
 from gptoss_max.server.state import ServerState
 from gptoss_max.server.store import StoredResponse
+
+logger = logging.getLogger("gptoss_max.server")
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,10 @@ class ResponseRun:
         if self.req.store:
             history = hm.to_json(self.turn.history + gen.harmony.messages)
             calls = self.turn.calls | self.events.function_calls()
-            await asyncio.to_thread(self.state.store.put, resp, history, calls)
+            try:
+                await asyncio.to_thread(self.state.store.put, resp, history, calls)
+            except Exception:  # the answer still goes out; only its continuation is lost
+                logger.exception("could not store response %s", resp["id"])
 
 
 async def create(request: Request, state: ServerState) -> Response:
