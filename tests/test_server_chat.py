@@ -151,3 +151,18 @@ def test_client_defaults_pass_but_real_penalties_are_refused(make):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=engine.model_name, messages=msgs, **bad)
         assert err.value.body["param"] == next(iter(bad))
+
+
+def test_preamble_and_final_are_separated(make):
+    script = (
+        "<|channel|>commentary<|message|>Let me think.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+    )
+    engine, client = make([script, script])
+    msgs = [{"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(model=engine.model_name, messages=msgs)
+    assert out.choices[0].message.content == "Let me think.\n\nDone."
+    stream = client.chat.completions.create(model=engine.model_name, messages=msgs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == (
+        "Let me think.\n\nDone."
+    )

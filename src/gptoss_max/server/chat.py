@@ -61,6 +61,9 @@ class ChatRun:
         """Take one event; return the streaming delta it makes, if any."""
         if isinstance(event, ItemStarted):
             self._kind = event.kind
+            if event.kind == "message" and self.content:  # a preamble, then more text
+                self.content.append("\n\n")
+                return {"content": "\n\n"}
             if event.kind != "function_call":
                 return None
             call = {
