@@ -12,6 +12,7 @@ from max.graph import DeviceRef
 from gptoss_max import maxapi
 from gptoss_max.arch import cpu_shims
 from gptoss_max.arch.moe import NativeMoE
+from gptoss_max.arch.rope import use_gptoss_rope
 from gptoss_max.arch.weights import adapt_state_dict
 from gptoss_max.config import ModelSpec
 from gptoss_max.kernels import kernels_path
@@ -53,6 +54,7 @@ class NativeGptOss(maxapi.StockGptOss):
             )
             block.mlp = moe
             block.mlp_shards = [moe]
+            use_gptoss_rope([block.self_attn, *block.self_attn_shards])
             if cpu:
                 cpu_shims.use_cpu_attention(block)
 
