@@ -29,10 +29,10 @@ class TeacherForcing:
 
 def max_logits(engine: Any, prompt: list[int], forced: list[int]) -> np.ndarray:
     """Logits predicting positions len(prompt) .. len(prompt)+len(forced): prefill step + decode steps."""
-    from max.pipelines.context import SamplingParams
-    from max.pipelines.lib.generate import GenerateIterator
     import asyncio
 
+    from max.pipelines.context import SamplingParams
+    from max.pipelines.lib.generate import GenerateIterator
     from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
     tf = TeacherForcing(forced)

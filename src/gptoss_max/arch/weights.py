@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 from max.dtype import DType
-from max.graph.type import Shape
 from max.graph.weights import WeightData
 
 from gptoss_max.checkpoint import BF16, F32, U8, validate
