@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from gptoss_max.kernels import reference
+
 pytestmark = pytest.mark.slow
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -74,9 +76,7 @@ def _compile(ours: bool):
         TensorType(DType.int64, [4], cpu),  # MAX's attention dispatch metadata
     ]
     with Graph(f"attention_sinks_{'ours' if ours else 'max'}", input_types=types) as graph:
-        q, k, v, blocks, stride, lengths, table, max_prompt, max_cache, offsets, sinks, meta = (
-            graph.inputs
-        )
+        q, k, v, blocks, stride, lengths, table, max_prompt, max_cache, offsets, sinks, meta = graph.inputs
         kv = PagedCacheValues(
             kv_blocks=blocks.buffer,
             cache_lengths=lengths.tensor,
@@ -121,22 +121,6 @@ def model():
 class Batch:
     cache_lengths: list[int]  # tokens cached before this step
     new_tokens: list[int]
-
-
-def _reference(q, keys, values, sinks, positions, window):
-    """q [n, H, D]; keys/values [len, KVH, D] of one sequence; float64 math."""
-    group = N_HEADS // N_KV_HEADS
-    out = np.zeros(q.shape)
-    for row, p in enumerate(positions):
-        first = max(p - window + 1, 0) if window else 0
-        for h in range(N_HEADS):
-            k = keys[first : p + 1, h // group].astype(np.float64)
-            v = values[first : p + 1, h // group].astype(np.float64)
-            logits = SCALE * (k @ q[row, h].astype(np.float64))
-            m = max(logits.max(), sinks[h])
-            w = np.exp(logits - m)
-            out[row, h] = (w @ v) / (w.sum() + np.exp(sinks[h] - m))
-    return out
 
 
 @dataclass
@@ -199,18 +183,14 @@ class Case:
             self.sinks,
             np.array([n_seq, max(b_.new_tokens), 1, max(self.totals)], np.int64),
         ]
-        self.inputs = [
-            Buffer.from_numpy(view if a is None else np.ascontiguousarray(a)) for a in arrays
-        ]
+        self.inputs = [Buffer.from_numpy(view if a is None else np.ascontiguousarray(a)) for a in arrays]
 
     def _page(self, b: int, p: int) -> int:
         return int(self.table[b, p // PAGE_SIZE])
 
     def check_store(self) -> None:
         """MAX's store put this step's K/V where our op reads them."""
-        for b, (cached, total) in enumerate(
-            zip(self.batch.cache_lengths, self.totals, strict=True)
-        ):
+        for b, (cached, total) in enumerate(zip(self.batch.cache_lengths, self.totals, strict=True)):
             for p in range(cached, total):
                 page, slot = self._page(b, p), p % PAGE_SIZE
                 np.testing.assert_array_equal(self.pages[page, 0, LAYER, slot], self.keys[b][p])
@@ -221,7 +201,8 @@ class Case:
         for b, cached in enumerate(self.batch.cache_lengths):
             q = self.q[self.offsets[b] : self.offsets[b + 1]]
             positions = range(cached, self.totals[b])
-            parts.append(_reference(q, self.keys[b], self.values[b], self.sinks, positions, window))
+            keys, values = self.keys[b], self.values[b]
+            parts.append(reference.attention_with_sinks(q, keys, values, self.sinks, positions, SCALE, window))
         return np.concatenate(parts)
 
     def rel_err(self, out: np.ndarray, window: int | None, label: str) -> float:
@@ -273,9 +254,7 @@ def test_max_cpu_sink_attention_short() -> None:
     reason="MAX 26.7 CPU sink attention adds exp(sink) once per 128-key tile of the "
     "sequence (masked tiles included): effective sink = sink + ln(ceil(len / 128))",
 )
-@pytest.mark.parametrize(
-    "batch", [Batch([0, 0], [200, 40]), Batch([199, 39], [1, 1])], ids=["prefill", "decode"]
-)
+@pytest.mark.parametrize("batch", [Batch([0, 0], [200, 40]), Batch([199, 39], [1, 1])], ids=["prefill", "decode"])
 def test_max_cpu_sink_attention_long(batch: Batch) -> None:
     assert _max_rel_err(batch) <= 1e-4
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from gptoss_max import mxfp4
@@ -68,3 +70,28 @@ def moe_mxfp4(
         gate_up[e] = mxfp4_rows(gate_up_blocks[e], gate_up_scales[e])
         down[e] = mxfp4_rows(down_blocks[e], down_scales[e])
     return moe(x, topk_ids, topk_weights, gate_up, gate_up_bias, down, down_bias)
+
+
+def attention_with_sinks(
+    q: np.ndarray,  # [n, n_heads, head_dim], rows of one sequence
+    keys: np.ndarray,  # [length, n_kv_heads, head_dim], the whole sequence
+    values: np.ndarray,  # [length, n_kv_heads, head_dim]
+    sinks: np.ndarray,  # [n_heads]
+    positions: Iterable[int],  # absolute position of each q row
+    scale: float,
+    window: int | None,
+) -> np.ndarray:  # [n, n_heads, head_dim] float64
+    """Causal attention, optionally windowed to [p - window + 1, p], with one
+    sink logit per head that takes probability mass but adds no value."""
+    n_heads, group = q.shape[1], q.shape[1] // keys.shape[1]
+    out = np.zeros(q.shape)
+    for row, p in enumerate(positions):
+        first = max(p - window + 1, 0) if window else 0
+        for h in range(n_heads):
+            k = keys[first : p + 1, h // group].astype(np.float64)
+            v = values[first : p + 1, h // group].astype(np.float64)
+            logits = scale * (k @ q[row, h].astype(np.float64))
+            m = max(logits.max(), float(sinks[h]))
+            w = np.exp(logits - m)
+            out[row, h] = (w @ v) / (w.sum() + np.exp(float(sinks[h]) - m))
+    return out
