@@ -31,7 +31,7 @@ class Case:
     top_k: int
     hidden: int
     inter: int
-    routing: str = "random"  # random | busy | few
+    routing: str = "random"  # random | busy | few | dropped (some ids -1 or E)
     x_scale: float = 1.0
 
 
@@ -43,6 +43,7 @@ CASES = [
     Case("top4_of_128", 13, 128, 4, 64, 64),
     Case("t77_clamped", 77, 8, 4, 128, 64, x_scale=4.0),
     Case("top1", 9, 4, 1, 64, 32),
+    Case("dropped_slots", 11, 8, 4, 64, 64, routing="dropped"),
 ]
 
 _summary: list[str] = []
@@ -177,6 +178,9 @@ def _make_inputs(case: Case, seed: int = 0):
         ids = np.stack([rng.permutation([1, e - 2])[:k] for _ in range(t)])
     else:
         ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+    if case.routing == "dropped":
+        ids[rng.random(ids.shape) < 0.3] = -1
+        ids[0, -1] = e
     logits = rng.standard_normal((t, k))
     weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     gate_up = rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)

@@ -44,6 +44,8 @@ def moe(
     out = np.zeros(x.shape, dtype=np.float64)
     for t, k in np.ndindex(*topk_ids.shape):
         e = int(topk_ids[t, k])
+        if not 0 <= e < gate_up.shape[0]:  # as the kernels: contributes nothing
+            continue
         gu = gate_up[e].astype(np.float64) @ x[t] + gate_up_bias[e]
         h = swiglu(gu[0::2], gu[1::2])
         y = down[e].astype(np.float64) @ h + down_bias[e]
@@ -66,7 +68,7 @@ def moe_mxfp4(
     n_experts = gate_up_blocks.shape[0]
     gate_up = np.zeros((n_experts, gate_up_blocks.shape[1], x.shape[1]), np.float32)
     down = np.zeros((n_experts, x.shape[1], down_blocks.shape[2] * 2), np.float32)
-    for e in np.unique(topk_ids):
+    for e in np.unique(topk_ids[(topk_ids >= 0) & (topk_ids < n_experts)]):
         gate_up[e] = mxfp4_rows(gate_up_blocks[e], gate_up_scales[e])
         down[e] = mxfp4_rows(down_blocks[e], down_scales[e])
     return moe(x, topk_ids, topk_weights, gate_up, gate_up_bias, down, down_bias)
