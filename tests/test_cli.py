@@ -1,0 +1,35 @@
+"""`gptoss-max make-tiny DIR && gptoss-max generate --model DIR --prompt hi --max-new-tokens 8`, as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str, timeout: int = 1200) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gptoss_max.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_make_tiny_then_generate(tmp_path):
+    out = run_cli("make-tiny", str(tmp_path / "t"))
+    assert "wrote a tiny gpt-oss checkpoint" in out
+    out = run_cli("generate", "--model", str(tmp_path / "t"), "--prompt", "hi", "--max-new-tokens", "8")
+    assert "on CPU" in out
+    last = out.strip().splitlines()[-1]
+    assert "tokens; time to first token" in last and "tok/s" in last
+    n_tokens = int(last.split()[0])
+    assert 1 <= n_tokens <= 8
+
+
+def test_help_lists_commands():
+    out = run_cli("--help")
+    for cmd in ("make-tiny", "generate", "serve"):
+        assert cmd in out
