@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,11 @@ pytestmark = pytest.mark.slow
 
 def run_cli(*args: str, timeout: int = 1200) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "gptoss_max.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "gptoss_max.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),  # MAX's native library setenv()s PYTHONEXECUTABLE; os.environ does not carry it
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

@@ -32,3 +32,16 @@ def test_our_architecture_registers():
     (arch,) = ARCHITECTURES
     assert arch.name == "GptOssForCausalLM"
     assert {"float32", "bfloat16", "float4_e2m1fnx2"} <= set(arch.supported_encodings)
+
+
+def test_children_stay_in_this_environment():
+    """MAX's native library setenv()s PYTHONEXECUTABLE; maxapi undoes it so children keep the venv."""
+    import subprocess
+    import sys
+
+    from max.nn.kv_cache import PagedCacheValues  # noqa: F401  (the import that sets it)
+
+    from gptoss_max import maxapi  # noqa: F401
+
+    child = subprocess.run([sys.executable, "-c", "import gptoss_max"], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr

@@ -43,7 +43,8 @@ def _tail(path, n=60) -> str:
 def live(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     cli = [sys.executable, "-m", "gptoss_max.cli"]
-    subprocess.run([*cli, "make-tiny", str(root / "tiny")], check=True, timeout=300)
+    # MAX's native library setenv()s PYTHONEXECUTABLE (a venv-less python); os.environ does not carry it.
+    subprocess.run([*cli, "make-tiny", str(root / "tiny")], check=True, timeout=300, env=dict(os.environ))
     port, log = _free_port(), root / "server.log"
     args = ["serve", "--model", str(root / "tiny"), "--devices", "cpu", "--port", str(port),
             "--served-model-name", MODEL, "--max-length", str(CONTEXT), "--max-batch-size", "1",

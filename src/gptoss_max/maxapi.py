@@ -7,6 +7,8 @@ Pinned: max==26.7.0.
 
 from __future__ import annotations
 
+import os
+
 # gpt_oss architecture pieces we reuse (attention with sinks, YaRN RoPE, norms, KV params).
 from max.pipelines.architectures.gpt_oss import gpt_oss as stock_gpt_oss_module
 from max.pipelines.architectures.gpt_oss.arch import gpt_oss_arch as stock_gpt_oss_arch
@@ -20,6 +22,10 @@ from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.lib import PipelineConfig, SupportedArchitecture
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 from max.pipelines.modeling import config_enums
+
+# MAX's native library setenv()s PYTHONEXECUTABLE to the `python3` on PATH, so every child
+# process (MAX's own model worker included) would start outside this virtualenv. Undo it.
+os.unsetenv("PYTHONEXECUTABLE")
 
 __all__ = [
     "GptOssAttention",
