@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 from gptoss_max import settings
-from gptoss_max.tokenizer import O200K_FILE, harmony_encoding, tiktoken_dir
 
 VOCAB_SIZE = 201088
 FIRST_SPECIAL = 199998
@@ -30,6 +29,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def special_tokens() -> list[str]:
+    from gptoss_max.tokenizer import harmony_encoding
+
     enc = harmony_encoding()
     return [enc.decode([i]) for i in range(FIRST_SPECIAL, VOCAB_SIZE)]
 
@@ -37,6 +38,8 @@ def special_tokens() -> list[str]:
 def _build(out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from gptoss_max.tokenizer import O200K_FILE, tiktoken_dir
 
     specials = special_tokens()
     converter = TikTokenConverter(
