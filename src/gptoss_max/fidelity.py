@@ -19,12 +19,16 @@ class TeacherForcing:
         self.steps: list[np.ndarray] = []
 
     def __call__(self, inputs: Any) -> None:
-        logits = np.from_dlpack(inputs.logits)  # [N, V] float32, N = logits returned this step
+        from max.driver import CPU, Buffer
+
+        on_host = inputs.logits.to(CPU())
+        logits = np.from_dlpack(on_host)  # [N, V] float32, N = logits returned this step
         self.steps.append(np.array(logits[-1], dtype=np.float32))
         if len(self.steps) <= len(self.forced):
-            token = self.forced[len(self.steps) - 1]
-            logits[-1, :] = -FORCE_LOGIT
-            logits[-1, token] = FORCE_LOGIT
+            forced = np.array(logits)
+            forced[-1, :] = -FORCE_LOGIT
+            forced[-1, self.forced[len(self.steps) - 1]] = FORCE_LOGIT
+            inputs.logits.inplace_copy_from(Buffer.from_numpy(forced).to(inputs.logits.device))
 
 
 def max_logits(engine: Any, prompt: list[int], forced: list[int]) -> np.ndarray:
