@@ -131,3 +131,22 @@ def test_deltas_stream_before_the_item_is_done():
         seen.extend(type(e).__name__ for e in stream.feed(token))
     assert seen[0] == "ItemStarted" and seen.count("TextDelta") >= 3
     assert "ItemDone" not in seen
+
+
+def test_long_text_without_any_header_streams_as_plain_text():
+    from gptoss_max.harmony.parse import MAX_HEADER_TOKENS
+    from gptoss_max.harmony.render import encode_text
+
+    text = "A model that never writes a channel header still gets its words out. " * 12
+    ids = encode_text(text)
+    assert len(ids) > 2 * MAX_HEADER_TOKENS
+    stream, seen = HarmonyStream(), []
+    for i, token in enumerate(ids):
+        if stream.feed(token) and not seen:
+            seen.append(i)
+    assert seen == [MAX_HEADER_TOKENS], "streaming starts once the header is clearly not one"
+    events = stream.feed_all(encode_harmony("<|start|>é<|return|>")) + stream.finish(False)
+    got = items(parse_completion(ids + encode_harmony("<|start|>é<|return|>")))
+    assert got == [("message", "final_answer", text + "é", True)]
+    assert isinstance(events[-1], ItemDone) and events[-1].text == text + "é"
+    assert [m.channel for m in stream.messages] == ["final"]

@@ -139,7 +139,7 @@ def test_dropped_stream_frees_the_worker(live, client):
     with httpx.stream("POST", f"{base}/v1/responses", json=body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if line.startswith("event: response.output_item.added"):
+            if line.startswith("event: response.in_progress"):  # sent after the first token
                 break
     # With one batch slot, a generation that kept running would hold it for ~budget tokens.
     t1 = time.monotonic()

@@ -10,6 +10,7 @@ a message; only if that fails too does the stream stop with `error` set.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,6 +23,9 @@ from gptoss_max.tokenizer import harmony_encoding
 
 Kind = Literal["reasoning", "message", "function_call"]
 _MESSAGE_ENDS = (END, RETURN, CALL)
+# Real headers (`<|channel|>commentary to=functions.name <|constrain|>json`) are ~10-20 ids:
+# a "header" longer than this is text without one, and is streamed as plain text instead.
+MAX_HEADER_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,22 @@ class _Open:
     text: list[str] = field(default_factory=list)
 
 
+class _PlainText:
+    """Ids -> text with special tokens dropped, UTF-8 safe across token boundaries."""
+
+    def __init__(self, enc) -> None:
+        self._enc = enc
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, tokens: Iterable[int]) -> str:
+        out = []
+        for t in tokens:
+            if not self._enc.is_special_token(t):
+                raw = self._enc.decode([t], errors="surrogateescape")
+                out.append(self._utf8.decode(raw.encode("utf-8", "surrogateescape")))
+        return "".join(out)
+
+
 class HarmonyStream:
     """Feed generated ids with `feed`, then call `finish` once; read `messages` for history."""
 
@@ -72,6 +92,8 @@ class HarmonyStream:
         self.error: str | None = None
         self.reasoning_tokens = 0
         self.finished = False
+        self._header: list[int] = []  # ids since the last message boundary, no item open
+        self._plain: _PlainText | None = None  # set once output is taken as plain text
 
     def _new_parser(self) -> StreamableParser:
         return StreamableParser(self._enc, Role.ASSISTANT, strict=False)
@@ -81,6 +103,8 @@ class HarmonyStream:
             return []
         if token == END_OF_TEXT:
             return self.finish(truncated=False)
+        if self._plain is not None:
+            return self._feed_plain(token)
         events: list[ParseEvent] = []
         try:
             self._parser.process(token)
@@ -101,7 +125,31 @@ class HarmonyStream:
                 events.append(TextDelta(delta))
         if token in _MESSAGE_ENDS:
             events += self._collect(complete=True)
+        if self._open is None and token not in _MESSAGE_ENDS:
+            self._header.append(token)
+            if len(self._header) > MAX_HEADER_TOKENS:
+                events += self._go_plain()
+        else:
+            self._header = []
         return events
+
+    def _go_plain(self) -> list[ParseEvent]:
+        """No Harmony header in sight: the rest of the output is one plain final message."""
+        self._plain = _PlainText(self._enc)
+        text, self._header = self._plain(self._header), []
+        start = ItemStarted("message", phase="final_answer")
+        self._open = _Open(start, [text] if text else [])
+        events: list[ParseEvent] = [start]
+        return events + [TextDelta(text)] if text else events
+
+    def _feed_plain(self, token: int) -> list[ParseEvent]:
+        if token in (RETURN, CALL):
+            return self.finish(truncated=False)
+        text = self._plain([token]) if self._plain else ""
+        if not text or self._open is None:
+            return []
+        self._open.text.append(text)
+        return [TextDelta(text)]
 
     def feed_all(self, tokens: Iterable[int]) -> list[ParseEvent]:
         return [event for token in tokens for event in self.feed(token)]
@@ -111,11 +159,13 @@ class HarmonyStream:
         if self.finished:
             return []
         self.finished = True
-        try:
-            self._parser.process_eos()
-        except HarmonyError:
-            pass  # an incomplete header: whatever text was open is closed below
-        events = self._collect(complete=not truncated)
+        events: list[ParseEvent] = []
+        if self._plain is None:
+            try:
+                self._parser.process_eos()
+            except HarmonyError:
+                pass  # an incomplete header: whatever text was open is closed below
+            events = self._collect(complete=not truncated)
         if self._open is not None:
             events += self._close("".join(self._open.text), None, complete=not truncated)
         return events
