@@ -102,11 +102,7 @@ class ResponseEvents:
         events = [self._event("response.output_item.added", output_index=index, item=item)]
         if start.kind != "function_call":
             part = _part(start.kind, "")
-            events.append(
-                self._event(
-                    "response.content_part.added", **self._where(), content_index=0, part=part
-                )
-            )
+            events.append(self._event("response.content_part.added", **self._where(), content_index=0, part=part))
         return events
 
     def _delta(self, text: str) -> list[dict]:
@@ -137,9 +133,7 @@ class ResponseEvents:
             part = _part(kind, done.text)
             item["content"] = [part]
             if kind == "reasoning":
-                text_done = self._event(
-                    "response.reasoning_text.done", **where, content_index=0, text=done.text
-                )
+                text_done = self._event("response.reasoning_text.done", **where, content_index=0, text=done.text)
             else:
                 text_done = self._event(
                     "response.output_text.done",
@@ -149,15 +143,9 @@ class ResponseEvents:
                     logprobs=[],
                 )
             events.append(text_done)
-            events.append(
-                self._event(
-                    "response.content_part.done", **where, content_index=0, part=copy.deepcopy(part)
-                )
-            )
+            events.append(self._event("response.content_part.done", **where, content_index=0, part=copy.deepcopy(part)))
         index = where["output_index"]
-        events.append(
-            self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))
-        )
+        events.append(self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
         self._kind = self._item = None
         return events
 
@@ -166,20 +154,14 @@ class ResponseEvents:
         events = []
         error = self.response.get("error")
         if self.response["status"] == "failed" and error:
-            events.append(
-                self._event("error", code=error.get("code"), message=error["message"], param=None)
-            )
+            events.append(self._event("error", code=error.get("code"), message=error["message"], param=None))
         closing = _CLOSING_EVENT[self.response["status"]]
         events.append(self._event(closing, response=copy.deepcopy(self.response)))
         return events
 
     def function_calls(self) -> dict[str, str]:
         """call_id -> function name for every call in the output."""
-        return {
-            item["call_id"]: item["name"]
-            for item in self.response["output"]
-            if item["type"] == "function_call"
-        }
+        return {item["call_id"]: item["name"] for item in self.response["output"] if item["type"] == "function_call"}
 
 
 def sse(event: dict) -> str:

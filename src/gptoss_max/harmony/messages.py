@@ -39,11 +39,7 @@ def reasoning(text: str) -> Message:
 
 
 def function_call(name: str, arguments: str) -> Message:
-    return (
-        assistant(arguments, "commentary")
-        .with_recipient(f"functions.{name}")
-        .with_content_type(JSON_CONTENT_TYPE)
-    )
+    return assistant(arguments, "commentary").with_recipient(f"functions.{name}").with_content_type(JSON_CONTENT_TYPE)
 
 
 def function_output(name: str, output: str | list[str]) -> Message:

@@ -83,11 +83,7 @@ class Prompt:
 
 def system_message(spec: TurnSpec) -> Message:
     date = spec.date or dt.datetime.now(dt.timezone.utc).date().isoformat()
-    content = (
-        SystemContent.new()
-        .with_reasoning_effort(_EFFORTS[spec.effort])
-        .with_conversation_start_date(date)
-    )
+    content = SystemContent.new().with_reasoning_effort(_EFFORTS[spec.effort]).with_conversation_start_date(date)
     return Message.from_role_and_content(Role.SYSTEM, content)
 
 
@@ -104,9 +100,7 @@ def developer_message(spec: TurnSpec, extra: list[str]) -> Message | None:
     if parts:
         content = content.with_instructions("\n\n".join(parts))
     if tools:
-        content = content.with_function_tools(
-            [ToolDescription.new(t.name, t.description, t.parameters) for t in tools]
-        )
+        content = content.with_function_tools([ToolDescription.new(t.name, t.description, t.parameters) for t in tools])
     return Message.from_role_and_content(Role.DEVELOPER, content)
 
 
