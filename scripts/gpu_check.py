@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=150)
     ap.add_argument("--forced", type=int, default=90)
     ap.add_argument("--experts", nargs="+", default=["mxfp4", "bf16"])
+    ap.add_argument("--encoding", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
@@ -49,15 +50,18 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = write_checkpoint(Path(tmp), spec_for(args.preset, args.layers), 1, experts == "mxfp4")
             t0 = time.perf_counter()
-            engine = Engine(EngineOptions(model=str(model_dir), device="gpu", max_batch_size=1, max_length=2048))
+            opts = EngineOptions(model=str(model_dir), device="gpu", max_batch_size=1, max_length=2048,
+                                 encoding=args.encoding)  # fmt: skip
+            engine = Engine(opts)
             compile_s = time.perf_counter() - t0
             ours = max_logits(engine, ids[: args.prompt], ids[args.prompt :])
             del engine
             ref = reference_logits(model_dir, ids, device="cuda")[args.prompt - 1 :]
         for part, sl in [("prefill", slice(0, 1)), ("decode", slice(1, None)), ("all", slice(None))]:
             agreement = compare(ours[sl], ref[sl])
-            rows.append({"experts": experts, "part": part, "compile_s": round(compile_s, 1), **agreement.as_dict()})
-            print(f"{args.preset} {experts:5s} {part:7s} {agreement}", flush=True)
+            rows.append({"experts": experts, "encoding": args.encoding, "part": part,
+                         "compile_s": round(compile_s, 1), **agreement.as_dict()})  # fmt: skip
+            print(f"{args.preset} {args.encoding} {experts:5s} {part:7s} {agreement}", flush=True)
     result = {
         "device": gpu.stdout.strip(),
         "date": datetime.date.today().isoformat(),

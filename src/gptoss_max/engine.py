@@ -30,6 +30,7 @@ class EngineOptions:
     max_length: int = 4096
     max_batch_size: int = 8
     kv_memory_fraction: float | None = None
+    encoding: str | None = None  # float32 on CPU and bfloat16 on GPU unless given
 
     @property
     def on_gpu(self) -> bool:
@@ -47,7 +48,7 @@ def pipeline_args(opts: EngineOptions) -> Any:
     fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)
     return PipelineArgs(
         model_path=opts.model,
-        quantization_encoding="bfloat16" if gpu else "float32",
+        quantization_encoding=opts.encoding or ("bfloat16" if gpu else "float32"),
         device_specs=[DeviceSpec.accelerator(0) if gpu else DeviceSpec.cpu()],
         max_length=opts.max_length,
         kv_cache=KVCacheConfig(device_memory_utilization=fraction),

@@ -28,20 +28,23 @@ def _layer(spec: ModelSpec, n: int, rng: np.random.Generator, mxfp4_experts: boo
     def normal(shape, std, mean=0.0):
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
 
-    # q/k scaled so attention logits span several units, like a trained model's.
+    # Stds scale with 1/sqrt(fan-in) so any width sees the same activations: q/k give
+    # attention logits of several units, router logits spread tokens over experts.
+    fan_h, fan_i = 1.0 / np.sqrt(h), 1.0 / np.sqrt(i)
     yield p + "input_layernorm.weight", (normal((h,), 0.1, 1.0), BF16)
     yield p + "post_attention_layernorm.weight", (normal((h,), 0.1, 1.0), BF16)
-    for name, rows, std in [("q", spec.q_dim, 0.2), ("k", spec.kv_dim, 0.2), ("v", spec.kv_dim, 0.1)]:
+    projections = [("q", spec.q_dim, 2.3 * fan_h), ("k", spec.kv_dim, 2.3 * fan_h), ("v", spec.kv_dim, 1.1 * fan_h)]
+    for name, rows, std in projections:
         yield p + f"self_attn.{name}_proj.weight", (normal((rows, h), std), BF16)
         yield p + f"self_attn.{name}_proj.bias", (normal((rows,), 0.1), BF16)
     yield p + "self_attn.o_proj.weight", (normal((h, spec.q_dim), 1.0 / np.sqrt(spec.q_dim)), BF16)
     yield p + "self_attn.o_proj.bias", (normal((h,), 0.05), BF16)
     # Sinks of several units, both above and below typical attention logits.
     yield p + "self_attn.sinks", (normal((spec.num_attention_heads,), 2.0, 3.0), BF16)
-    yield p + "mlp.router.weight", (normal((e, h), 0.15), BF16)
+    yield p + "mlp.router.weight", (normal((e, h), 1.7 * fan_h), BF16)
     yield p + "mlp.router.bias", (normal((e,), 0.2), BF16)
-    gate_up = normal((e, 2 * i, h), 0.1)
-    down = normal((e, h, i), 0.1)
+    gate_up = normal((e, 2 * i, h), 1.1 * fan_h)
+    down = normal((e, h, i), 1.1 * fan_i)
     yield p + "mlp.experts.gate_up_proj_bias", (normal((e, 2 * i), 0.1), BF16)
     yield p + "mlp.experts.down_proj_bias", (normal((e, h), 0.05), BF16)
     if mxfp4_experts:
@@ -61,7 +64,7 @@ def random_tensors(spec: ModelSpec, seed: int, mxfp4_experts: bool) -> Iterator[
     for n in range(spec.num_hidden_layers):
         yield from _layer(spec, n, rng, mxfp4_experts)
     yield "model.norm.weight", ((1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32), BF16)
-    yield "lm_head.weight", ((0.3 * rng.standard_normal((v, h))).astype(np.float32), BF16)
+    yield "lm_head.weight", ((3.4 / np.sqrt(h) * rng.standard_normal((v, h))).astype(np.float32), BF16)
 
 
 def write_checkpoint(out: Path, spec: ModelSpec, seed: int = 0, mxfp4_experts: bool = True) -> Path:
