@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,10 @@ def main() -> int:
     ap.add_argument("--forced", type=int, default=90)
     ap.add_argument("--experts", nargs="+", default=["mxfp4", "bf16"])
     ap.add_argument("--encoding", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--attention", choices=["ours", "max"], default="ours", help="sets GPTOSS_MAX_ATTENTION")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    os.environ["GPTOSS_MAX_ATTENTION"] = args.attention
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     rows = []
     ids = [int(x) for x in np.random.default_rng(7).integers(0, 199_990, size=args.prompt + args.forced)]
@@ -59,9 +62,9 @@ def main() -> int:
             ref = reference_logits(model_dir, ids, device="cuda")[args.prompt - 1 :]
         for part, sl in [("prefill", slice(0, 1)), ("decode", slice(1, None)), ("all", slice(None))]:
             agreement = compare(ours[sl], ref[sl])
-            rows.append({"experts": experts, "encoding": args.encoding, "part": part,
+            rows.append({"experts": experts, "encoding": args.encoding, "attention": args.attention, "part": part,
                          "compile_s": round(compile_s, 1), **agreement.as_dict()})  # fmt: skip
-            print(f"{args.preset} {args.encoding} {experts:5s} {part:7s} {agreement}", flush=True)
+            print(f"{args.preset} {args.encoding} attn={args.attention} {experts:5s} {part:7s} {agreement}", flush=True)
     result = {
         "device": gpu.stdout.strip(),
         "date": datetime.date.today().isoformat(),

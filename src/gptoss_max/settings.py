@@ -25,3 +25,15 @@ def data_dir() -> Path:
 def api_key() -> str | None:
     """Optional bearer key required by the server: `GPTOSS_MAX_API_KEY`."""
     return os.environ.get("GPTOSS_MAX_API_KEY") or None
+
+
+def attention_impl() -> str:
+    """`GPTOSS_MAX_ATTENTION`: `ours` (our sink-attention op), `max` (MAX's flash attention), or `auto`.
+
+    `auto` is ours everywhere: MAX 26.7's CPU kernel over-counts sinks past 128 keys and its
+    GPU decode disagrees with the reference (see docs/GPU.md). Read in the process that builds the graph.
+    """
+    value = os.environ.get("GPTOSS_MAX_ATTENTION", "auto")
+    if value not in ("auto", "ours", "max"):
+        raise ValueError(f"GPTOSS_MAX_ATTENTION must be auto, ours or max, not {value!r}")
+    return "ours" if value == "auto" else value

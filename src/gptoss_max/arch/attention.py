@@ -34,3 +34,10 @@ class SinkAttention(maxapi.GptOssAttention):
             xq, kv_collection, layer_idx, kwargs["input_row_offsets"], self.sinks, self.scale, window
         )
         return self.o_proj(ops.reshape(attn, shape=[x.shape[0], -1]))
+
+
+def use_sink_attention(block) -> None:
+    """Why: MAX's CPU flash attention over-counts sinks past 128 keys (and rejects windows < 256);
+    its GPU decode disagrees with the reference too. Our op is used unless GPTOSS_MAX_ATTENTION=max."""
+    for shard in block.self_attn_shards:
+        shard.__class__ = SinkAttention

@@ -25,14 +25,6 @@ class SingleDeviceAllreduce:
         return list(inputs)
 
 
-def allow_cpu_encodings() -> None:
-    """Why: MAX marks bfloat16/MXFP4 encodings GPU-only; gpt-oss runs them on CPU through float32."""
-    for enc in ("bfloat16", "float4_e2m1fnx2"):
-        devices = maxapi.config_enums._SUPPORTED_DEVICES[enc]
-        if "cpu" not in devices:
-            maxapi.config_enums._SUPPORTED_DEVICES[enc] = (*devices, "cpu")
-
-
 @contextlib.contextmanager
 def cpu_model_construction() -> Iterator[None]:
     """Swap MAX's Allreduce for the single-device one while the stock block is built."""
@@ -43,10 +35,3 @@ def cpu_model_construction() -> Iterator[None]:
     finally:
         maxapi.stock_block_module.Allreduce = saved  # type: ignore[misc]
 
-
-def use_cpu_attention(block) -> None:
-    """Why: MAX's CPU flash attention mis-weighs large sinks and rejects windows < 256."""
-    from gptoss_max.arch.attention import SinkAttention
-
-    for shard in block.self_attn_shards:
-        shard.__class__ = SinkAttention

@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 from max.dtype import DType
 from max.graph import DeviceRef
 
-from gptoss_max import maxapi
+from gptoss_max import maxapi, settings
 from gptoss_max.arch import cpu_shims
+from gptoss_max.arch.attention import use_sink_attention
 from gptoss_max.arch.moe import NativeMoE
 from gptoss_max.arch.rope import use_gptoss_rope
 from gptoss_max.arch.weights import adapt_state_dict
@@ -55,8 +56,8 @@ class NativeGptOss(maxapi.StockGptOss):
             block.mlp = moe
             block.mlp_shards = [moe]
             use_gptoss_rope([block.self_attn, *block.self_attn_shards])
-            if cpu:
-                cpu_shims.use_cpu_attention(block)
+            if cpu or settings.attention_impl() == "ours":
+                use_sink_attention(block)
 
 
 class NativeGptOssModel(maxapi.GptOssModel):
