@@ -20,6 +20,7 @@ UP_TIMEOUT   ?= 3600
 BENCH_N      ?= 8
 BENCH_TOKENS ?= 128
 STAMP   := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
 ifeq ($(origin API_KEY),undefined)
 API_KEY := $(GPTOSS_MAX_API_KEY)
 endif
@@ -31,11 +32,11 @@ SERVER = BIN='$(BIN)' MODEL='$(or $(MODEL),auto)' DEVICES='$(or $(DEVICES),auto)
 	PIDFILE='$(PIDFILE)' UP_TIMEOUT='$(UP_TIMEOUT)' BENCH_N='$(BENCH_N)' BENCH_TOKENS='$(BENCH_TOKENS)' \
 	scripts/server.sh
 
-.PHONY: serve test install lint lint-ops typecheck clean tiny up down status logs bench runpod-up
+.PHONY: serve test install install-serve lint lint-ops typecheck clean tiny up down status logs bench runpod-up
 
 serve up status bench: export GPTOSS_MAX_API_KEY := $(API_KEY)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	@$(SERVER) serve
 
 test: $(STAMP)
@@ -43,14 +44,23 @@ test: $(STAMP)
 
 install: $(STAMP)
 
+# Serving needs no test extras (torch, on a GPU pod, would pull GBs of CUDA wheels).
+install-serve: $(SERVE_STAMP)
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(SERVE_STAMP)
+
+$(SERVE_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e .
+	touch $(SERVE_STAMP)
 
 # Background server: `up` waits for /health; `down` stops only the pid `up` recorded.
-up: $(STAMP)
+up: $(SERVE_STAMP)
 	@$(SERVER) up
 
 down:
@@ -63,7 +73,7 @@ logs:
 	@$(SERVER) logs
 
 # The server's decode probe (GET /bench): BENCH_N concurrent requests of BENCH_TOKENS tokens each.
-bench: $(STAMP)
+bench: $(SERVE_STAMP)
 	@$(SERVER) bench
 
 runpod-up:

@@ -250,14 +250,14 @@ if ((FAILED)); then
 fi
 if ((CHECK_ONLY)); then
   say ""
-  say "Plan: make install PY=$PY; make up MODEL=$MODEL DEVICES=$DEVICES HOST=$HOST PORT=$PORT"
+  say "Plan: make install-serve PY=$PY; make up MODEL=$MODEL DEVICES=$DEVICES HOST=$HOST PORT=$PORT"
   print_endpoints
   exit 0
 fi
 
 say ""
 say "Installing into $VENV (first time: several minutes)"
-make install PY="$PY" VENV="$VENV"
+make install-serve PY="$PY" VENV="$VENV"
 fast_downloads
 
 say ""

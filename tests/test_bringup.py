@@ -176,7 +176,7 @@ def test_runpod_check_needs_a_gpu_unless_told_otherwise(tmp_path):
     assert relaxed.returncode == 0, output(relaxed)
     assert "going on without a GPU" in relaxed.stdout
     assert "MODEL=auto -> a tiny random gpt-oss" in relaxed.stdout
-    assert "Plan: make install" in relaxed.stdout
+    assert "Plan: make install-serve" in relaxed.stdout
     assert "make up MODEL=auto DEVICES=auto HOST=0.0.0.0 PORT=8000" in relaxed.stdout
 
 
