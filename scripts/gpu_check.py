@@ -60,6 +60,10 @@ def main() -> int:
             ours = max_logits(engine, ids[: args.prompt], ids[args.prompt :])
             del engine
             ref = reference_logits(model_dir, ids, device="cuda")[args.prompt - 1 :]
+            # The checkpoint's bf16 noise floor: transformers itself in bf16 against its float32.
+            floor = compare(reference_logits(model_dir, ids, device="cuda", dtype="bfloat16")[args.prompt - 1 :], ref)
+            print(f"{args.preset} transformers-bf16-vs-fp32 {experts:5s} all     {floor}", flush=True)
+            rows.append({"experts": experts, "encoding": "transformers-bfloat16", "part": "all", **floor.as_dict()})
         for part, sl in [("prefill", slice(0, 1)), ("decode", slice(1, None)), ("all", slice(None))]:
             agreement = compare(ours[sl], ref[sl])
             rows.append({"experts": experts, "encoding": args.encoding, "attention": args.attention, "part": part,

@@ -56,12 +56,14 @@ def max_logits(engine: Any, prompt: list[int], forced: list[int]) -> np.ndarray:
     return np.stack(tf.steps[: len(forced) + 1])
 
 
-def reference_logits(model_dir: Path, ids: list[int], device: str = "cpu") -> np.ndarray:
-    """transformers' GptOssForCausalLM in float32 (MXFP4 experts dequantized exactly): [len(ids), V]."""
+def reference_logits(model_dir: Path, ids: list[int], device: str = "cpu", dtype: str = "float32") -> np.ndarray:
+    """transformers' GptOssForCausalLM (MXFP4 experts dequantized exactly), float32 unless
+    `dtype="bfloat16"` (the bf16 noise floor of a checkpoint): [len(ids), V]."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float().to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float()
+    model = model.to(device=device, dtype=getattr(torch, dtype))
     model.eval()
     with torch.no_grad():
         out = model(torch.tensor([ids], device=device)).logits[0]
