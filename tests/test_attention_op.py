@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gptoss_max.kernels import reference
+from reporting import report
 
 pytestmark = pytest.mark.slow
 
@@ -21,17 +22,6 @@ N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 16
 N_LAYERS, LAYER, PAGE_SIZE, N_PAGES, MAX_PAGES = 2, 1, 16, 40, 16
 WINDOW = 4
 SCALE = HEAD_DIM**-0.5
-
-_summary: list[str] = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fidelity_summary(request: pytest.FixtureRequest):
-    yield
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    with capman.global_and_fixture_disabled():
-        print("\n[attention op] " + "\n[attention op] ".join(_summary))
-
 
 def _compile(ours: bool):
     """Graph: store this step's K/V with MAX's op, then attend over the cache.
@@ -108,7 +98,7 @@ def _compile(ours: bool):
             graph.output(full)
     start = time.perf_counter()
     compiled = InferenceSession(devices=[CPU()]).load(graph)
-    _summary.append(f"compile {graph.name}: {time.perf_counter() - start:.1f} s")
+    report('attention op', f"compile {graph.name}: {time.perf_counter() - start:.1f} s")
     return compiled
 
 
@@ -209,7 +199,7 @@ class Case:
         assert np.isfinite(out).all()
         ref = self.reference(window)
         rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-        _summary.append(
+        report('attention op', 
             f"{label:<4} cache {self.batch.cache_lengths} new {self.batch.new_tokens} "
             f"pad {self.page_pad} window {window}: rel err {rel:.2e}"
         )

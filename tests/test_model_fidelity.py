@@ -10,6 +10,7 @@ import pytest
 
 from gptoss_max.fidelity import compare, max_logits, reference_logits
 from model_fixtures import FORCED, PROMPT, teacher_tokens, tiny_engine, tiny_root  # noqa: F401
+from reporting import report
 
 pytestmark = pytest.mark.slow
 COS_MIN = {"bf16": 0.999, "mxfp4": 0.995}
@@ -23,7 +24,7 @@ def test_logits_match_transformers(tiny_engine, record_property):  # noqa: F811
     assert ours.shape == (FORCED + 1, 201088)
     prefill, decode, every = compare(ours[:1], ref[:1]), compare(ours[1:], ref[1:]), compare(ours, ref)
     for name, agreement in [("prefill", prefill), ("decode", decode), ("all", every)]:
-        print(f"fidelity {experts} experts, {name}: {agreement}")
+        report("model fidelity", f"{experts} experts, {name}: {agreement}")
         record_property(f"{experts}_{name}", agreement.as_dict())
     assert every.cos_min >= COS_MIN[experts], str(every)
     assert every.cos_mean >= 0.9995, str(every)

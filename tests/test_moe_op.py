@@ -16,6 +16,7 @@ import pytest
 
 from gptoss_max import mxfp4
 from gptoss_max.kernels import reference
+from reporting import report
 
 pytestmark = pytest.mark.slow
 
@@ -46,17 +47,6 @@ CASES = [
     Case("dropped_slots", 11, 8, 4, 64, 64, routing="dropped"),
 ]
 
-_summary: list[str] = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fidelity_summary(request: pytest.FixtureRequest):
-    yield
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    with capman.global_and_fixture_disabled():
-        print("\n[moe op fidelity] " + "\n[moe op fidelity] ".join(_summary))
-
-
 @dataclass
 class Target:
     """A device with its session; graphs built for it compile on first use."""
@@ -77,7 +67,7 @@ class Target:
         start = time.perf_counter()
         graph = Graph(f"{name}_{self.name}", forward=forward, input_types=input_types)
         model = self.session.load(graph)
-        _summary.append(f"compile {name} ({self.name}): {time.perf_counter() - start:.1f} s")
+        report('moe op fidelity', f"compile {name} ({self.name}): {time.perf_counter() - start:.1f} s")
         return model
 
     def run(self, model, *arrays: np.ndarray) -> list[np.ndarray]:
@@ -204,7 +194,7 @@ def _check(case: Case, label: str, out: np.ndarray, ref: np.ndarray, tol: float,
     assert np.isfinite(out).all(), f"{label}: non-finite output"
     rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     worst = float(np.abs(out - ref).max() / np.abs(ref).max())
-    _summary.append(f"{case.name:>13} {label:<15} rel {rel:.2e}  max|err|/max|ref| {worst:.2e}")
+    report('moe op fidelity', f"{case.name:>13} {label:<15} rel {rel:.2e}  max|err|/max|ref| {worst:.2e}")
     record(f"{label}_rel_err", rel)
     assert rel <= tol, f"{label}: relative error {rel:.3e} > {tol}"
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=label)

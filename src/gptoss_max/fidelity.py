@@ -17,18 +17,20 @@ class TeacherForcing:
     def __init__(self, forced: list[int]):
         self.forced = list(forced)
         self.steps: list[np.ndarray] = []
+        self._pending: Any = None
 
     def __call__(self, inputs: Any) -> None:
-        from max.driver import CPU, Buffer
+        from max.driver import CPU
 
-        on_host = inputs.logits.to(CPU())
-        logits = np.from_dlpack(on_host)  # [N, V] float32, N = logits returned this step
+        host = inputs.logits.to(CPU())  # the same buffer when the logits live on the CPU
+        logits = np.from_dlpack(host)  # [N, V] float32, N = logits returned this step
         self.steps.append(np.array(logits[-1], dtype=np.float32))
         if len(self.steps) <= len(self.forced):
-            forced = np.array(logits)
-            forced[-1, :] = -FORCE_LOGIT
-            forced[-1, self.forced[len(self.steps) - 1]] = FORCE_LOGIT
-            inputs.logits.inplace_copy_from(Buffer.from_numpy(forced).to(inputs.logits.device))
+            logits[-1, :] = -FORCE_LOGIT
+            logits[-1, self.forced[len(self.steps) - 1]] = FORCE_LOGIT
+            if not inputs.logits.device.is_host:
+                inputs.logits.inplace_copy_from(host)
+                self._pending = host  # the copy may still read it after we return
 
 
 def max_logits(engine: Any, prompt: list[int], forced: list[int]) -> np.ndarray:
@@ -83,7 +85,7 @@ class Agreement:
 
     def __str__(self) -> str:
         return (
-            f"steps={self.steps} cos_min={self.cos_min:.5f} cos_mean={self.cos_mean:.6f} "
+            f"steps={self.steps} cos_min={self.cos_min:.6f} cos_mean={self.cos_mean:.6f} "
             f"argmax_agree={self.argmax_agree_clear:.4f} over {self.clear_steps} steps with margin>0.05"
         )
 
