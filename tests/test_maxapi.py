@@ -26,6 +26,23 @@ def test_stock_gpt_oss_pieces():
         assert callable(getattr(maxapi.GptOssModel, name))
 
 
+def test_pipeline_driving_pieces():
+    fields = set(maxapi.SamplingParams.__dataclass_fields__)
+    assert {"top_k", "top_p", "temperature", "max_new_tokens", "stop_token_ids", "ignore_eos"} <= fields
+    assert {"seed", "detokenize", "logits_processors"} <= fields
+    assert {"model_path", "quantization_encoding", "device_specs", "max_length", "kv_cache", "runtime"} <= set(
+        maxapi.PipelineArgs.model_fields
+    )
+    assert {"custom_architectures", "max_batch_size", "device_graph_capture"} <= set(
+        maxapi.PipelineRuntimeConfig.model_fields
+    )
+    assert "device_memory_utilization" in maxapi.KVCacheConfig.model_fields
+    assert callable(maxapi.GenerateIterator.from_contexts)
+    assert callable(maxapi.PIPELINE_REGISTRY.retrieve_factory)
+    params = inspect.signature(maxapi.TextGenerationRequest).parameters
+    assert {"request_id", "prompt", "model_name", "sampling_params"} <= set(params)
+
+
 def test_our_architecture_registers():
     from gptoss_max.arch import ARCHITECTURES
 

@@ -40,19 +40,16 @@ class EngineOptions:
 def pipeline_args(opts: EngineOptions) -> Any:
     """MAX PipelineArgs: our architecture, float32 on CPU (bf16 on GPU), a bounded KV cache."""
     from max.driver import DeviceSpec
-    from max.pipelines.kv_cache.config import KVCacheConfig
-    from max.pipelines.lib import PipelineArgs
-    from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
 
     gpu = opts.on_gpu
     fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)
-    return PipelineArgs(
+    return maxapi.PipelineArgs(
         model_path=opts.model,
         quantization_encoding=opts.encoding or ("bfloat16" if gpu else "float32"),
         device_specs=[DeviceSpec.accelerator(0) if gpu else DeviceSpec.cpu()],
         max_length=opts.max_length,
-        kv_cache=KVCacheConfig(device_memory_utilization=fraction),
-        runtime=PipelineRuntimeConfig(
+        kv_cache=maxapi.KVCacheConfig(device_memory_utilization=fraction),
+        runtime=maxapi.PipelineRuntimeConfig(
             custom_architectures=[ARCH_MODULE],
             max_batch_size=opts.max_batch_size,
             device_graph_capture=False,
@@ -64,19 +61,13 @@ class Engine:
     """A compiled gpt-oss pipeline: token ids in, token ids out."""
 
     def __init__(self, opts: EngineOptions):
-        from max.pipelines import PIPELINE_REGISTRY
-
         self.opts = opts
         t0 = time.perf_counter()
         self.config = maxapi.PipelineConfig.from_args(pipeline_args(opts))
-        retrieved = PIPELINE_REGISTRY.retrieve_factory(self.config)
+        retrieved = maxapi.PIPELINE_REGISTRY.retrieve_factory(self.config)
         self.tokenizer = retrieved.tokenizer
         self.pipeline = retrieved.factory()
         self.load_seconds = time.perf_counter() - t0
-
-    @property
-    def pipeline_model(self) -> Any:
-        return self.pipeline._pipeline_model
 
     def generate(
         self,
@@ -87,11 +78,7 @@ class Engine:
         seed: int = 0,
     ) -> Iterator[int]:
         """Yield new token ids until a stop token (yielded) or `max_new_tokens`."""
-        from max.pipelines.context import SamplingParams
-        from max.pipelines.lib.generate import GenerateIterator
-        from max.pipelines.modeling.types import RequestID, TextGenerationRequest
-
-        params = SamplingParams(
+        params = maxapi.SamplingParams(
             temperature=temperature,
             top_k=1 if temperature == 0 else -1,
             top_p=top_p,
@@ -100,10 +87,14 @@ class Engine:
             seed=seed,
             detokenize=False,
         )
-        request = TextGenerationRequest(
-            request_id=RequestID(), prompt=list(prompt_ids), model_name="model", sampling_params=params
+        return self.run(prompt_ids, params)
+
+    def run(self, prompt_ids: list[int], params: Any) -> Iterator[int]:
+        """One request through the pipeline as a batch of one; yields its new token ids."""
+        request = maxapi.TextGenerationRequest(
+            request_id=maxapi.RequestID(), prompt=list(prompt_ids), model_name="model", sampling_params=params
         )
         context = asyncio.run(self.tokenizer.new_context(request))
-        with GenerateIterator.from_contexts(self.pipeline, [context], caller="gptoss-max") as batch:
+        with maxapi.GenerateIterator.from_contexts(self.pipeline, [context], caller="gptoss-max") as batch:
             while not batch.done:
                 yield from batch.step().get(0) or []

@@ -35,24 +35,13 @@ class TeacherForcing:
 
 def max_logits(engine: Any, prompt: list[int], forced: list[int]) -> np.ndarray:
     """Logits predicting positions len(prompt) .. len(prompt)+len(forced): prefill step + decode steps."""
-    import asyncio
-
-    from max.pipelines.context import SamplingParams
-    from max.pipelines.lib.generate import GenerateIterator
-    from max.pipelines.modeling.types import RequestID, TextGenerationRequest
+    from gptoss_max import maxapi
 
     tf = TeacherForcing(forced)
-    params = SamplingParams(
+    params = maxapi.SamplingParams(
         top_k=1, max_new_tokens=len(forced) + 1, ignore_eos=True, detokenize=False, logits_processors=[tf]
     )
-    request = TextGenerationRequest(
-        request_id=RequestID(), prompt=list(prompt), model_name="model", sampling_params=params
-    )
-    context = asyncio.run(engine.tokenizer.new_context(request))
-    generated: list[int] = []
-    with GenerateIterator.from_contexts(engine.pipeline, [context], caller="gptoss-max fidelity") as batch:
-        while not batch.done:
-            generated += batch.step().get(0) or []
+    generated = list(engine.run(prompt, params))
     if generated[: len(forced)] != forced:
         raise AssertionError(f"teacher forcing failed: generated {generated[:8]}..., forced {forced[:8]}...")
     return np.stack(tf.steps[: len(forced) + 1])

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-# gpt_oss architecture pieces we reuse (attention with sinks, YaRN RoPE, norms, KV params).
+# gpt_oss architecture pieces we reuse (attention with sinks, YaRN RoPE, norms, KV params),
+# and what builds and drives a pipeline (engine.py, fidelity.py).
+from max.pipelines import PIPELINE_REGISTRY
 from max.pipelines.architectures.gpt_oss import gpt_oss as stock_gpt_oss_module
 from max.pipelines.architectures.gpt_oss.arch import gpt_oss_arch as stock_gpt_oss_arch
 from max.pipelines.architectures.gpt_oss.gpt_oss import GptOss as StockGptOss
@@ -18,16 +20,29 @@ from max.pipelines.architectures.gpt_oss.layers.attention import GptOssAttention
 from max.pipelines.architectures.gpt_oss.memory_planner import GptOssMemoryPlanner
 from max.pipelines.architectures.gpt_oss.model import GptOssModel
 from max.pipelines.architectures.gpt_oss.model_config import GptOssConfig
+from max.pipelines.context import SamplingParams
+from max.pipelines.kv_cache.config import KVCacheConfig
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
-from max.pipelines.lib import PipelineConfig, SupportedArchitecture
+from max.pipelines.lib import PipelineArgs, PipelineConfig, SupportedArchitecture
+from max.pipelines.lib.generate import GenerateIterator
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
+from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
 from max.pipelines.modeling import config_enums
+from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
 # MAX's native library setenv()s PYTHONEXECUTABLE to the `python3` on PATH, so every child
 # process (MAX's own model worker included) would start outside this virtualenv. Undo it.
 os.unsetenv("PYTHONEXECUTABLE")
 
 __all__ = [
+    "PIPELINE_REGISTRY",
+    "GenerateIterator",
+    "KVCacheConfig",
+    "PipelineArgs",
+    "PipelineRuntimeConfig",
+    "RequestID",
+    "SamplingParams",
+    "TextGenerationRequest",
     "GptOssAttention",
     "GptOssConfig",
     "GptOssMemoryPlanner",
