@@ -48,6 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     on_gpu = has_gpu() if args.device == "auto" else args.device == "gpu"
     model = resolve_model(args.model, on_gpu)
     prompt_ids = render_prompt(args.prompt, args.reasoning_effort)
+    logging.getLogger("max.pipelines").setLevel(logging.INFO)  # MAX reports weights loading and compile times
     print(f"loading and compiling {model} on {'GPU' if on_gpu else 'CPU'} (first compile takes minutes) ...")
     engine = Engine(EngineOptions(model=model, device="gpu" if on_gpu else "cpu", max_batch_size=1))
     print(f"ready in {engine.load_seconds:.1f} s; prompt {len(prompt_ids)} tokens")
