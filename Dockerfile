@@ -32,7 +32,9 @@ RUN useradd --create-home --uid 1000 gptoss \
 WORKDIR /opt/gptoss-max
 COPY pyproject.toml ./
 COPY src ./src
-RUN pip install --no-cache-dir . \
+# A current pip: older resolvers backtrack for a long time over max[serve]'s pins.
+RUN pip install --no-cache-dir pip==26.3 \
+    && pip install --no-cache-dir . \
     && gptoss-max --help > /dev/null
 COPY scripts/docker_entrypoint.sh /usr/local/bin/gptoss-max-entrypoint
 
