@@ -47,18 +47,13 @@ def test_no_developer_message_without_instructions_or_tools():
     assert "Reasoning: medium" in text
 
 
-def test_tool_choice_none_hides_tools_and_named_choice_prefills_the_call():
+def test_tool_choice_none_hides_tools_and_a_forced_call_is_not_prefilled():
     assert "get_weather" not in text_of(
         render_prompt(TurnSpec(tools=(WEATHER,), tool_choice="none"), [hm.user("x")])
     )
-    named = render_prompt(TurnSpec(tools=(WEATHER,), tool_choice="get_weather"), [hm.user("x")])
-    assert text_of(named).endswith(
-        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
-        "<|message|>"
-    )
-    assert named.ids[-len(named.prefill) :] == named.prefill
-    required = render_prompt(TurnSpec(tools=(WEATHER,), tool_choice="required"), [hm.user("x")])
-    assert text_of(required).endswith("<|start|>assistant<|channel|>commentary to=functions")
+    for choice in ("get_weather", "required"):  # the grammar forces the call, after reasoning
+        forced = render_prompt(TurnSpec(tools=(WEATHER,), tool_choice=choice), [hm.user("x")])
+        assert text_of(forced).endswith("<|start|>user<|message|>x<|end|><|start|>assistant")
 
 
 def test_every_response_input_item_maps():

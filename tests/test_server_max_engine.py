@@ -6,14 +6,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi import FastAPI
-from max.pipelines.context import GenerationStatus, PromptTooLongError
+from max.pipelines.context import GenerationStatus, InputError, PromptTooLongError
 from max.serve.pipelines.llm import TokenGeneratorOutput
 from max.serve.worker_interface import RequestQueueFull
 from openai import OpenAI
 
 from gptoss_max.harmony.render import encode_harmony
 from gptoss_max.server.app import build_app, mount
-from gptoss_max.server.engine import GenParams, PromptTooLong, QueueFull
+from gptoss_max.server.engine import GenParams, PromptTooLong, QueueFull, Rejected
 from gptoss_max.server.max_engine import MaxEngine
 from gptoss_max.server.state import ServerState
 from gptoss_max.server.store import ResponseStore
@@ -23,8 +23,8 @@ from server_fixtures import FINAL, serving
 class FakePipeline:
     """Streams `script` in chunks of 3 ids, as TokenGeneratorOutputs."""
 
-    def __init__(self, script, error=None):
-        self.script, self.error = script, error
+    def __init__(self, script, error=None, stream_error=None):
+        self.script, self.error, self.stream_error = script, error, stream_error
         self.requests, self.cancelled, self.closed = [], [], 0
         self.model_worker = SimpleNamespace(cancel=self.cancelled.append)
 
@@ -37,6 +37,8 @@ class FakePipeline:
 
     async def _outputs(self, request):
         ids = self.script[: request.sampling_params.max_new_tokens]
+        if self.stream_error:  # how the worker's refusal arrives (zmq_interface raises it)
+            raise self.stream_error
         try:
             for i in range(0, len(ids), 3):
                 last = i + 3 >= len(ids)
@@ -92,6 +94,26 @@ def test_leaving_early_cancels_in_the_worker():
 def test_admission_errors_map_to_engine_errors(error, expected):
     with pytest.raises(expected):
         asyncio.run(collect(engine_for(FakePipeline([], error=error)), GenParams(8)))
+
+
+def test_a_grammar_goes_as_a_response_format_enforced_from_the_first_token():
+    pipe = FakePipeline([1, 2])
+    asyncio.run(collect(engine_for(pipe), GenParams(8, grammar='{"type":"structural_tag"}')))
+    asyncio.run(collect(engine_for(pipe), GenParams(8)))
+    constrained, plain = pipe.requests
+    fmt = constrained.response_format
+    assert (fmt.type, fmt.grammar, fmt.grammar_enforced) == ("grammar", '{"type":"structural_tag"}', True)
+    assert plain.response_format is None
+
+
+def test_the_workers_refusal_of_a_grammar_is_a_400(tmp_path):
+    refusal = InputError("Grammar provided in request cannot be compiled. From xgrammar: bad")
+    with pytest.raises(Rejected, match="cannot be compiled"):
+        asyncio.run(collect(engine_for(FakePipeline([1], stream_error=refusal)), GenParams(8)))
+    engine = engine_for(FakePipeline([1], stream_error=refusal))
+    with serving(build_app(engine, tmp_path / "r.sqlite3")) as base:
+        r = httpx.post(f"{base}/v1/responses", json={"model": "gpt-oss-max", "input": "x", "stream": True})
+    assert r.status_code == 400 and "cannot be compiled" in r.json()["error"]["message"]
 
 
 def test_server_over_max_engine(tmp_path):

@@ -152,8 +152,10 @@ def test_incomplete_on_max_output_tokens(make):
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
 
 
-def test_named_tool_choice_prefills_the_call(make):
-    engine, client, _ = make(['{"city":"Oslo"}<|call|>'])
+def test_named_tool_choice_goes_to_the_engine_as_a_grammar(make):
+    engine, client, _ = make(
+        ['<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>']
+    )
     resp = client.responses.create(
         model=engine.model_name,
         input="Weather in Oslo?",
@@ -163,10 +165,8 @@ def test_named_tool_choice_prefills_the_call(make):
     assert [(i.type, i.name, i.arguments) for i in resp.output] == [
         ("function_call", "get_weather", '{"city":"Oslo"}')
     ]
-    assert decode(engine.prompts[0]).endswith(
-        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
-        "<|message|>"
-    )
+    assert decode(engine.prompts[0]).endswith("<|start|>assistant")  # nothing prefilled
+    assert "commentary to=functions.get_weather" in engine.params[0].grammar
 
 
 def test_engine_failure_mid_stream_ends_as_failed_with_an_error_event(make):
@@ -260,9 +260,9 @@ def test_json_schema_format_goes_to_the_developer_message(make):
 
 
 def test_required_tool_choice_forces_a_call(make):
-    engine, client, _ = make([".get_weather <|constrain|>json<|message|>{}<|call|>"])
+    engine, client, _ = make(['<|channel|>commentary to=functions.get_weather<|message|>{}<|call|>'])
     resp = client.responses.create(
         model=engine.model_name, input="Hi", tools=[WEATHER_TOOL], tool_choice="required"
     )
     assert [(i.type, i.name) for i in resp.output] == [("function_call", "get_weather")]
-    assert decode(engine.prompts[0]).endswith("<|channel|>commentary to=functions")
+    assert '"value":"final"' not in engine.params[0].grammar  # no final answer allowed

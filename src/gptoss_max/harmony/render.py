@@ -3,6 +3,8 @@
 The system message carries the reasoning effort and date, the developer message the
 instructions, function tools and response format. History is rendered with
 `auto_drop_analysis=False`: which reasoning to drop is decided in `messages.py`.
+What the reply must look like (a forced call, a JSON answer) is enforced while decoding,
+by the grammar in `grammar.py`, not by prefilling the reply.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ RETURN = 200002  # <|return|>: the final answer is done
 CALL = 200012  # <|call|>: a tool call is done
 END = 200007  # <|end|>: one message is done, the turn goes on (never a stop token)
 MESSAGE = 200008  # <|message|>: a header is done
+START = 200006  # <|start|>: a message begins (its role follows)
+CHANNEL = 200005  # <|channel|>
+CONSTRAIN = 200003  # <|constrain|>: the content type (json) follows
 STOP_TOKEN_IDS = (RETURN, CALL, END_OF_TEXT)
 
 _EFFORTS = {
@@ -46,21 +51,26 @@ class FunctionTool:
     name: str
     description: str = ""
     parameters: dict | None = None
+    strict: bool = False  # arguments constrained to `parameters` (else: any JSON object)
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """`kind` is "text", "json_object" or "json_schema" (which needs `name` and `schema`)."""
+    """`kind` is "text", "json_object" or "json_schema" (which needs `name` and `schema`).
+
+    A json_schema answer always follows its schema; `strict` makes a keyword that cannot be
+    enforced an error instead of being left out."""
 
     kind: str = "text"
     name: str = "response"
     schema: dict | None = None
     description: str | None = None
+    strict: bool = False
 
 
 @dataclass(frozen=True)
 class TurnSpec:
-    """What goes into the system and developer messages, and how the reply must start.
+    """What goes into the system and developer messages, and what the reply must be.
 
     `tool_choice` is "auto", "none", "required" or the name of the one function to call.
     """
@@ -75,10 +85,7 @@ class TurnSpec:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Token ids to prefill; `prefill` is their tail that the assistant's reply starts with."""
-
     ids: list[int]
-    prefill: list[int]
 
 
 def system_message(spec: TurnSpec) -> Message:
@@ -114,15 +121,6 @@ def _format_section(fmt: ResponseFormat) -> str:
     return ""
 
 
-def prefill_text(spec: TurnSpec) -> str:
-    """A forced tool call is made by prefilling the start of its header."""
-    if spec.tool_choice in ("auto", "none") or not spec.tools:
-        return ""
-    if spec.tool_choice == "required":
-        return "<|channel|>commentary to=functions"
-    return f"<|channel|>commentary to=functions.{spec.tool_choice} <|constrain|>json<|message|>"
-
-
 def _split_leading_instructions(history: list[Message]) -> tuple[list[str], list[Message]]:
     """System/developer text before the first other message joins the developer message."""
     extra: list[str] = []
@@ -134,7 +132,7 @@ def _split_leading_instructions(history: list[Message]) -> tuple[list[str], list
 
 
 def render_prompt(spec: TurnSpec, history: list[Message]) -> Prompt:
-    """Header + history (finished turns' reasoning dropped) + `<|start|>assistant` + prefill."""
+    """Header + history (finished turns' reasoning dropped) + `<|start|>assistant`."""
     extra, rest = _split_leading_instructions(history)
     header = [system_message(spec)]
     dev = developer_message(spec, extra)
@@ -142,9 +140,7 @@ def render_prompt(spec: TurnSpec, history: list[Message]) -> Prompt:
         header.append(dev)
     conv = Conversation.from_messages(header + drop_finished_reasoning(rest))
     enc = harmony_encoding()
-    ids = enc.render_conversation_for_completion(conv, Role.ASSISTANT, _NO_RENDER_DROP)
-    prefill = enc.encode(prefill_text(spec), allowed_special="all")
-    return Prompt(ids=ids + prefill, prefill=prefill)
+    return Prompt(ids=enc.render_conversation_for_completion(conv, Role.ASSISTANT, _NO_RENDER_DROP))
 
 
 def encode_text(text: str) -> list[int]:

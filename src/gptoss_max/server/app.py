@@ -82,11 +82,12 @@ def build_app(
     store: ResponseStore | Path | str | None = None,
     *,
     enable_bench: bool = False,
+    constrained_reasoning_tokens: int | None = None,
 ) -> FastAPI:
     """A self-contained app over any `Engine` (the store defaults to the data dir)."""
     if not isinstance(store, ResponseStore):
         store = ResponseStore(store)
-    state = ServerState(engine, store, enable_bench)
+    state = ServerState(engine, store, enable_bench, constrained_reasoning_tokens)
     app = FastAPI(title="gptoss-max")
     app.state.gptoss = state
     app.include_router(build_router(state))

@@ -14,7 +14,7 @@ from gptoss_max.harmony import messages as hm
 from gptoss_max.harmony.events import new_id
 from gptoss_max.harmony.parse import ItemStarted, ParseEvent, TextDelta
 from gptoss_max.harmony.render import TurnSpec, render_prompt
-from gptoss_max.server import tools
+from gptoss_max.server import grammar, tools
 from gptoss_max.server.engine import GenParams
 from gptoss_max.server.errors import bad_request, read_json_object, server_error
 from gptoss_max.server.generation import EventStream, Generation, until_disconnected
@@ -23,9 +23,8 @@ from gptoss_max.server.state import ServerState
 
 
 def _spec(req: ChatRequest) -> TurnSpec:
-    defs = [
-        (t.function.name, t.function.description, t.function.parameters) for t in req.tools or []
-    ]
+    fns = [t.function for t in req.tools or []]
+    defs = [(f.name, f.description, f.parameters, f.strict) for f in fns]
     funcs = tools.function_tools(defs, "tools")
     choice = req.tool_choice
     named = None if isinstance(choice, str) else choice.function.name
@@ -38,7 +37,7 @@ def _spec(req: ChatRequest) -> TurnSpec:
         effort=req.reasoning_effort or "medium",
         tools=funcs,
         tool_choice=tools.tool_choice(choice if isinstance(choice, str) else None, named, funcs),
-        response_format=tools.response_format(fmt_dict, "response_format"),
+        response_format=tools.response_format(fmt_dict, "response_format.json_schema"),
     )
 
 
@@ -174,11 +173,13 @@ async def create(request: Request, state: ServerState) -> Response:
         )
     except hm.HistoryError as exc:
         raise bad_request(str(exc), exc.param) from None
-    prompt = render_prompt(_spec(req), history)
+    spec = _spec(req)
+    prompt = render_prompt(spec, history)
     budget = state.token_budget(
         len(prompt.ids), req.max_completion_tokens or req.max_tokens, "messages"
     )
-    params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+    constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
+    params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed, grammar=constraint)
     gen = Generation(state.engine, prompt, params)
     await until_disconnected(request, gen.start())
     run = ChatRun(state, req, gen)

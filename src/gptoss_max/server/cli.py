@@ -30,6 +30,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, help="SQLite file for stored responses")
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--enable-bench", action="store_true", help="turn on GET /bench")
+    p.add_argument("--constrained-reasoning-tokens", type=int, default=None, metavar="N",
+                   help="under a response format or tool choice, cap each reasoning message at N tokens")  # fmt: skip
     p.set_defaults(func=serve_main)
     return p
 
@@ -73,6 +75,18 @@ def serve_settings(args: argparse.Namespace) -> Any:
     return Settings(**kw)
 
 
+def with_constrained_decoding(config: Any) -> Any:
+    """The config with MAX's grammar masking on: the worker compiles each request's grammar
+    (xgrammar) and the sampler graph takes a token bitmask.
+
+    MAX refuses `enable_structured_output` on CPU at validation only; its CPU sampler applies
+    the bitmask (`mo.apply_packed_bitmask`) correctly, which the tiny-model tests check. So the
+    flag is set after validation, on every device.
+    """
+    sampling = config.sampling.model_copy(update={"enable_structured_output": True})
+    return config.model_copy(update={"sampling": sampling})
+
+
 def build_max_app(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
     """MAX's app (its model worker starts later, in `lifespan`) with our routes mounted."""
     from max.pipelines import PIPELINE_REGISTRY
@@ -84,7 +98,7 @@ def build_max_app(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
     from gptoss_max.server.state import ServerState
     from gptoss_max.server.store import ResponseStore
 
-    config = PipelineConfig.from_args(pipeline_args(args))
+    config = with_constrained_decoding(PipelineConfig.from_args(pipeline_args(args)))
     retrieved = PIPELINE_REGISTRY.retrieve_factory(config, task=config.task)
     serving = ServingTokenGeneratorSettings(
         model_factory=retrieved.factory,
@@ -101,7 +115,8 @@ def build_max_app(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
         sampling_defaults=config.model.sampling_params_defaults,
     )
     store = ResponseStore(Path(args.store) if args.store else None)
-    mount(app, ServerState(engine, store, enable_bench=args.enable_bench))
+    state = ServerState(engine, store, args.enable_bench, args.constrained_reasoning_tokens)
+    mount(app, state)
     logger.info(
         "serving %s (context %d); responses stored in %s",
         engine.model_name,

@@ -22,6 +22,10 @@ class PromptTooLong(ValueError):
     """The prompt does not fit the engine's context (HTTP 400)."""
 
 
+class Rejected(ValueError):
+    """The engine refused the request as given, e.g. a grammar it cannot compile (HTTP 400)."""
+
+
 @dataclass(frozen=True)
 class GenParams:
     max_new_tokens: int
@@ -30,6 +34,7 @@ class GenParams:
     stop_token_ids: tuple[int, ...] = STOP_TOKEN_IDS
     ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks)
     seed: int | None = None
+    grammar: str | None = None  # every token masked by this structural tag (harmony/grammar.py)
 
 
 class Chunk(list[int]):
@@ -45,8 +50,8 @@ class Engine(Protocol):
     def generate(self, prompt_ids: list[int], params: GenParams) -> AsyncIterator[list[int]]:
         """New ids in chunks until a stop token (included) or `max_new_tokens`.
 
-        Admission errors (`QueueFull`, `PromptTooLong`) are raised by the first
-        `__anext__`. Closing the iterator, or cancelling the task awaiting it, cancels
+        Admission errors (`QueueFull`, `PromptTooLong`, `Rejected`) are raised by the
+        first `__anext__`. Closing the iterator, or cancelling the task awaiting it, cancels
         the generation.
         """
         ...

@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 from gptoss_max.harmony.parse import HarmonyStream, ParseEvent
 from gptoss_max.harmony.render import Prompt
 from gptoss_max.server import metrics
-from gptoss_max.server.engine import Engine, GenParams, PromptTooLong, QueueFull
+from gptoss_max.server.engine import Engine, GenParams, PromptTooLong, QueueFull, Rejected
 from gptoss_max.server.errors import APIError, bad_request, queue_full
 
 logger = logging.getLogger("gptoss_max.server")
@@ -48,6 +48,8 @@ class Generation:
             raise queue_full() from None
         except PromptTooLong as exc:
             raise bad_request(str(exc), "input", "context_length_exceeded") from None
+        except Rejected as exc:
+            raise bad_request(str(exc)) from None
 
     @property
     def status(self) -> str:
@@ -58,8 +60,6 @@ class Generation:
     async def events(self) -> AsyncIterator[ParseEvent]:
         ended = False
         try:
-            for event in self.harmony.feed_all(self.prompt.prefill):
-                yield event
             chunk = self._first
             while chunk is not None:
                 events, done = self._take(chunk)

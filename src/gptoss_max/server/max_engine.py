@@ -4,7 +4,9 @@
 go in as token ids (used as is); `next_token_chunk(..., parse_reasoning=False)` streams
 `TokenGeneratorOutput.token_ids`, special tokens included. Leaving the stream early
 cancels the request in the worker (MAX does this when its stream is closed; we also send
-the cancel ourselves, so it never depends on garbage collection).
+the cancel ourselves, so it never depends on garbage collection). A grammar goes in as a
+`response_format` of type "grammar", enforced from the first token; the worker compiles it
+and masks each step's logits (this needs `enable_structured_output`, see server/cli.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gptoss_max.server.engine import Chunk, GenParams, PromptTooLong, QueueFull
+from gptoss_max.server.engine import Chunk, GenParams, PromptTooLong, QueueFull, Rejected
 
 logger = logging.getLogger("gptoss_max.server")
 
@@ -32,7 +34,7 @@ class MaxEngine:
         return self._app.state.pipeline
 
     def _request(self, prompt_ids: list[int], params: GenParams) -> Any:
-        from max.pipelines.context import SamplingParams, SamplingParamsInput
+        from max.pipelines.context import SamplingParams, SamplingParamsInput, TextGenerationResponseFormat
         from max.pipelines.context.sampling_params import SamplingParamsGenerationConfigDefaults
         from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
@@ -47,15 +49,19 @@ class MaxEngine:
             ),
             sampling_params_defaults=self._defaults or SamplingParamsGenerationConfigDefaults(),
         )
+        grammar = None
+        if params.grammar is not None:
+            grammar = TextGenerationResponseFormat(type="grammar", grammar=params.grammar, grammar_enforced=True)
         return TextGenerationRequest(
             request_id=RequestID(),
             model_name=self.model_name,
             prompt=list(prompt_ids),
             sampling_params=sampling,
+            response_format=grammar,
         )
 
     async def generate(self, prompt_ids: list[int], params: GenParams) -> AsyncIterator[list[int]]:
-        from max.pipelines.context import PromptTooLongError
+        from max.pipelines.context import InputError, PromptTooLongError
         from max.serve.worker_interface import RequestQueueFull
 
         request = self._request(prompt_ids, params)
@@ -65,9 +71,11 @@ class MaxEngine:
             raise QueueFull() from None
         except PromptTooLongError as exc:
             raise PromptTooLong(str(exc)) from None
+        except InputError as exc:
+            raise Rejected(str(exc)) from None
         finished, first = False, True
         try:
-            async for out in outputs:
+            async for out in _refusals_as(outputs, InputError):
                 chunk = Chunk(out.token_ids or [])
                 if first:
                     chunk.cached_tokens = out.cached_token_count or 0
@@ -81,3 +89,20 @@ class MaxEngine:
                     self.pipeline.model_worker.cancel(request.request_id)
             with contextlib.suppress(Exception):
                 await outputs.aclose()
+
+
+async def _refusals_as(outputs: AsyncIterator[Any], refusal: type[Exception]) -> AsyncIterator[Any]:
+    """The worker's refusal of a request (its grammar does not compile) comes as the stream's
+    first item; it becomes `Rejected` (a 400). A later error is a failure mid-generation."""
+    first = True
+    while True:
+        try:
+            out = await anext(outputs)
+        except StopAsyncIteration:
+            return
+        except refusal as exc:
+            if first:
+                raise Rejected(str(exc)) from None
+            raise
+        first = False
+        yield out

@@ -15,7 +15,7 @@ from openai_harmony import Message
 from gptoss_max.harmony import messages as hm
 from gptoss_max.harmony.events import ResponseEvents, new_id, sse
 from gptoss_max.harmony.render import Prompt, TurnSpec, render_prompt
-from gptoss_max.server import tools
+from gptoss_max.server import grammar, tools
 from gptoss_max.server.engine import GenParams
 from gptoss_max.server.errors import bad_request, not_found, read_json_object
 from gptoss_max.server.generation import EventStream, Generation, until_disconnected
@@ -44,9 +44,7 @@ def _input_items(req: ResponsesRequest) -> list[dict]:
 
 
 def _spec(req: ResponsesRequest) -> TurnSpec:
-    funcs = tools.function_tools(
-        [(t.name, t.description, t.parameters) for t in req.tools], "tools"
-    )
+    funcs = tools.function_tools([(t.name, t.description, t.parameters, t.strict) for t in req.tools], "tools")
     choice = req.tool_choice
     named = choice.name if isinstance(choice, NamedFunction) else None
     fmt = req.text.format if req.text else None
@@ -71,7 +69,8 @@ def plan_turn(state: ServerState, req: ResponsesRequest, stored: StoredResponse 
     spec = _spec(req)
     prompt = render_prompt(spec, history)
     budget = state.token_budget(len(prompt.ids), req.max_output_tokens, "input")
-    params = GenParams(max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p)
+    constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
+    params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, grammar=constraint)
     return Turn(spec, history, calls, prompt, params)
 
 

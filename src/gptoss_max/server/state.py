@@ -14,6 +14,7 @@ class ServerState:
     engine: Engine
     store: ResponseStore
     enable_bench: bool = False
+    constrained_reasoning_tokens: int | None = None  # cap per reasoning message under a grammar
 
     def check_model(self, model: str) -> None:
         if model != self.engine.model_name:

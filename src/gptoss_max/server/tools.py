@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from gptoss_max.harmony.render import FunctionTool, ResponseFormat
+from gptoss_max.server import grammar
 from gptoss_max.server.errors import bad_request
+
+ToolDef = tuple[str, str | None, dict | None, bool | None]  # name, description, parameters, strict
 
 
 def check_schema(schema: dict[str, Any], param: str, *, must_be_object: bool) -> None:
@@ -26,19 +29,24 @@ def check_schema(schema: dict[str, Any], param: str, *, must_be_object: bool) ->
         raise bad_request(f"Invalid JSON schema: {exc.message}.", param, "invalid_schema") from None
 
 
-def function_tools(
-    tools: list[tuple[str, str | None, dict | None]], param: str
-) -> tuple[FunctionTool, ...]:
-    """(name, description, parameters) triples -> checked `FunctionTool`s."""
+def function_tools(tools: list[ToolDef], param: str) -> tuple[FunctionTool, ...]:
+    """(name, description, parameters, strict) -> checked `FunctionTool`s.
+
+    A strict function's arguments are decoded under its parameters schema, so that schema
+    must compile to a grammar; any other function's arguments are a JSON object."""
     seen: set[str] = set()
     out = []
-    for i, (name, description, parameters) in enumerate(tools):
+    for i, (name, description, parameters, strict) in enumerate(tools):
         if name in seen:
             raise bad_request(f"Duplicate function name {name!r}.", f"{param}[{i}].name")
         seen.add(name)
         if parameters is not None:
-            check_schema(parameters, f"{param}[{i}].parameters", must_be_object=True)
-        out.append(FunctionTool(name, description or "", parameters))
+            where = f"{param}[{i}].parameters"
+            check_schema(parameters, where, must_be_object=True)
+            if strict:
+                hint = " (a function that is not strict gets any JSON object)"
+                grammar.check_schema(parameters, where, exact=True, hint=hint)
+        out.append(FunctionTool(name, description or "", parameters, bool(strict)))
     return tuple(out)
 
 
@@ -56,7 +64,10 @@ def tool_choice(choice: str | None, named: str | None, tools: tuple[FunctionTool
 
 
 def response_format(fmt: dict[str, Any] | None, param: str) -> ResponseFormat:
-    """`{"type", "name", "schema", "description"}` (as the Responses API spells it)."""
+    """`{"type", "name", "schema", "description", "strict"}` (as the Responses API spells it).
+
+    The answer is decoded under the schema: `strict` makes a keyword the grammar cannot
+    enforce a 400 rather than a keyword left unenforced."""
     kind = (fmt or {}).get("type") or "text"
     if kind == "text":
         return ResponseFormat()
@@ -66,5 +77,8 @@ def response_format(fmt: dict[str, Any] | None, param: str) -> ResponseFormat:
     name, schema = fmt.get("name"), fmt.get("schema")
     if not name or schema is None:
         raise bad_request("A json_schema format needs a name and a schema.", param)
+    strict = bool(fmt.get("strict"))
     check_schema(schema, f"{param}.schema", must_be_object=False)
-    return ResponseFormat("json_schema", name, schema, fmt.get("description"))
+    hint = " (without strict, what cannot be enforced is left out)" if strict else ""
+    grammar.check_schema(schema, f"{param}.schema", exact=strict, hint=hint)
+    return ResponseFormat("json_schema", name, schema, fmt.get("description"), strict)
