@@ -106,6 +106,11 @@ def test_make_up_serves_then_make_down_stops_it(tmp_path):
 
         again = make("up", *settings, env=env)
         assert again.returncode == 0 and f"already running (pid {pid}" in again.stdout, output(again)
+        runpod = subprocess.run([str(ROOT / "scripts" / "runpod_up.sh")], capture_output=True, text=True, timeout=600,
+                                env={**env, **dict(s.split("=", 1) for s in settings), "REQUIRE_GPU": "0"})  # fmt: skip
+        assert runpod.returncode == 0, output(runpod)
+        assert f"already running (pid {pid}" in runpod.stdout and f"on the pod:   {base}" in runpod.stdout
+        assert key not in output(runpod)
         bench = make("bench", *settings, "BENCH_N=2", "BENCH_TOKENS=8", env=env, timeout=600)
         assert bench.returncode == 0, output(bench)
         assert json.loads(bench.stdout[bench.stdout.index("{") :])["output_tokens"] == 16
