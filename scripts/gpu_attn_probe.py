@@ -5,6 +5,7 @@ import sys
 import time
 
 import numpy as np
+from max._kv_cache_ops import mha_decode_num_partitions
 from max.driver import CPU, Accelerator, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
@@ -12,13 +13,14 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 from max.nn.attention import MHAMaskVariant
 from max.nn.kernels import flash_attention_ragged, kv_cache_store_paged_ragged
 from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
-from max._kv_cache_ops import mha_decode_num_partitions
 
 from gptoss_max.kernels.ops import attention_with_sinks
 from gptoss_max.kernels.reference import round_to_bf16
 
 spec = importlib.util.spec_from_file_location("t", "tests/test_attention_op.py")
-t = importlib.util.module_from_spec(spec); sys.modules["t"] = t; spec.loader.exec_module(t)
+t = importlib.util.module_from_spec(spec)
+sys.modules["t"] = t
+spec.loader.exec_module(t)
 t.N_HEADS, t.N_KV_HEADS, t.HEAD_DIM = 64, 8, 64
 t.N_LAYERS, t.LAYER, t.PAGE_SIZE, t.N_PAGES, t.MAX_PAGES = 2, 1, 128, 12, 4
 t.SCALE = 64 ** -0.5

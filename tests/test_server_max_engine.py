@@ -148,3 +148,26 @@ def test_mount_replaces_max_routes_at_our_paths(tmp_path):
         assert chat.choices[0].message.content == "Hello there!"
         assert httpx.post(f"{base}/v1/completions", json={}).json() == {"from": "max"}
         assert client.responses.create(model="gpt-oss-max", input="Hi").status == "completed"
+
+
+def test_api_key_guards_max_routes_too(tmp_path, monkeypatch):
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def max_completions():
+        return {"from": "max"}
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    engine = engine_for(FakePipeline(encode_harmony(FINAL)))
+    mount(app, ServerState(engine, ResponseStore(tmp_path / "r.sqlite3")))
+    monkeypatch.setenv("GPTOSS_MAX_API_KEY", "sekrit")
+    with serving(app) as base:
+        denied = httpx.post(f"{base}/v1/completions", json={})
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        allowed = httpx.post(f"{base}/v1/completions", json={}, headers={"authorization": "Bearer sekrit"})
+        assert allowed.json() == {"from": "max"}
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.post(f"{base}/v1/responses", json={"model": "gpt-oss-max", "input": "x"}).status_code == 401

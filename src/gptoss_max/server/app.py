@@ -18,10 +18,19 @@ from gptoss_max.server.store import ResponseStore
 STARTED = int(time.time())
 
 
-def _check_key(request: Request) -> None:
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _key_error(request: Request) -> APIError | None:
     key = settings.api_key()
     if key and request.headers.get("authorization") != f"Bearer {key}":
-        raise APIError(401, "Missing or invalid API key.", code="invalid_api_key")
+        return APIError(401, "Missing or invalid API key.", code="invalid_api_key")
+    return None
+
+
+def _check_key(request: Request) -> None:
+    if error := _key_error(request):
+        raise error
 
 
 def build_router(state: ServerState) -> APIRouter:
@@ -101,3 +110,8 @@ def mount(app: FastAPI, state: ServerState) -> None:
     app.router.routes.insert(0, app.router.routes.pop())  # routes match in order
     app.state.gptoss = state
     install_handlers(app, http_errors=False)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):  # MAX's own routes (e.g. /v1/completions) too
+        error = None if request.url.path in OPEN_PATHS else _key_error(request)
+        return error.response() if error else await call_next(request)
