@@ -131,13 +131,14 @@ def serve_main(args: argparse.Namespace) -> int:
 
     import uvloop
     from max.serve.api_server import fastapi_config, lifespan, validate_port_is_free
-    from max.serve.telemetry.common import configure_logging
+    from max.serve.telemetry.common import configure_logging, configure_metrics
     from sse_starlette.sse import unpatch_uvicorn_signal_handler
     from uvicorn import Server
 
     validate_port_is_free(args.port)
     settings = serve_settings(args)
     configure_logging(settings)
+    configure_metrics(settings)  # as MAX's own entrypoint does; without it each metric logs an error
     app, serving = build_max_app(args, settings)
     server = Server(fastapi_config(app, settings))
 
