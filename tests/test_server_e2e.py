@@ -2,8 +2,9 @@
 
 One server per session: a tiny random checkpoint, CPU, `--max-batch-size 1`. The model is
 random, so its text is noise; what is checked is everything around it: prompts, parsing,
-usage, the event stream, storage, and that a dropped stream frees the worker. Compiles a
-MAX graph (minutes cold), hence `slow`.
+usage, the event stream, storage, that a dropped stream frees the worker, and that
+structured outputs and forced tool calls are valid (noise made valid only by MAX's grammar
+masking, with reasoning capped at 16 tokens). Compiles a MAX graph (minutes cold), hence `slow`.
 """
 
 import contextlib
@@ -16,11 +17,14 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
 from gptoss_max.harmony import messages as hm
 from gptoss_max.harmony.render import TurnSpec, render_prompt
+from reporting import report
+from structured_cases import SCHEMAS, TOOL_SCHEMAS, TOOLS, chat_tool, valid
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +52,8 @@ def live(tmp_path_factory):
     port, log = _free_port(), root / "server.log"
     args = ["serve", "--model", str(root / "tiny"), "--devices", "cpu", "--port", str(port),
             "--served-model-name", MODEL, "--max-length", str(CONTEXT), "--max-batch-size", "1",
-            "--store", str(root / "responses.sqlite3"), "--enable-bench"]  # fmt: skip
+            "--store", str(root / "responses.sqlite3"), "--enable-bench",
+            "--constrained-reasoning-tokens", "16"]  # fmt: skip
     env = {**os.environ, "GPTOSS_MAX_DATA": str(root / "data")}
     with open(log, "wb") as out:
         proc = subprocess.Popen([*cli, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -149,3 +154,84 @@ def test_dropped_stream_frees_the_worker(live, client):
     assert waited < per_token * budget / 4, (waited, per_token * budget, _tail(log, 20))
     metrics = httpx.get(f"{base}/metrics").text
     assert float(re.search(r"^gptoss_cancelled_total (\S+)$", metrics, re.M).group(1)) >= 1
+
+
+STRUCTURED = list(SCHEMAS)[:20]
+
+
+@pytest.fixture(scope="module")
+def timings():
+    """Seconds per constrained request, reported once the module is done."""
+    times: list[float] = []
+    yield times
+    if times:
+        mean, worst = sum(times) / len(times), max(times)
+        line = f"tiny model, CPU: {len(times)} constrained requests, mean {mean:.2f} s, max {worst:.2f} s"
+        report("structured", line)
+
+
+def _timed(times: list[float], fn, *args, **kw):
+    t0 = time.monotonic()
+    out = fn(*args, **kw)
+    times.append(time.monotonic() - t0)
+    return out
+
+
+def _streamed(client, **kw):
+    with client.responses.stream(**kw) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        return deltas, stream.get_final_response()
+
+
+@pytest.mark.parametrize("i, name", list(enumerate(STRUCTURED)))
+def test_structured_output_validates(client, timings, i, name):
+    """Responses (plain, streamed) and chat in turn; each answer must parse and validate."""
+    schema = SCHEMAS[name]
+    fmt = {"name": name, "schema": schema, "strict": True}
+    if i % 3 == 2:
+        messages = [{"role": "user", "content": "JSON"}]
+        response_format = {"type": "json_schema", "json_schema": fmt}
+        out = _timed(timings, client.chat.completions.create, model=MODEL, messages=messages, max_tokens=1200,
+                     temperature=1.0, response_format=response_format)  # fmt: skip
+        assert out.choices[0].finish_reason == "stop"
+        valid(out.choices[0].message.content, schema)
+        return
+    kw = dict(model=MODEL, input="JSON", text={"format": {"type": "json_schema", **fmt}}, max_output_tokens=1200,
+              temperature=1.0)  # fmt: skip
+    if i % 3 == 0:
+        resp = _timed(timings, client.responses.create, **kw)
+    else:
+        deltas, resp = _timed(timings, _streamed, client, **kw)
+        assert "".join(deltas) == resp.output_text
+    assert resp.status == "completed" and resp.output[-1].type == "message"
+    valid(resp.output_text, schema)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "add"},
+                                    {"type": "function", "name": "get_weather"}])  # fmt: skip
+def test_forced_tool_call_is_valid(client, timings, choice):
+    resp = _timed(timings, client.responses.create, model=MODEL, input="Go", tools=TOOLS, tool_choice=choice,
+                  max_output_tokens=1200, temperature=1.0)  # fmt: skip
+    call = resp.output[-1]
+    assert resp.status == "completed" and call.type == "function_call"
+    assert call.name == choice["name"] if isinstance(choice, dict) else call.name in TOOL_SCHEMAS
+    valid(call.arguments, TOOL_SCHEMAS[call.name])
+
+
+def test_forced_tool_call_streams_in_chat(client, timings):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = _timed(timings, client.chat.completions.create, model=MODEL, stream=True, max_tokens=1200,
+                    messages=[{"role": "user", "content": "Weather?"}], temperature=1.0,
+                    tools=[chat_tool(t) for t in TOOLS], tool_choice=named)  # fmt: skip
+    chunks = list(stream)
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert calls[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    valid("".join(tc.function.arguments or "" for tc in calls), TOOL_SCHEMAS["get_weather"])
+
+
+def test_unenforceable_strict_schema_is_a_400(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
+    text = {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="x", text=text)
+    assert "unsupported schema keyword: not" in err.value.body["message"]
