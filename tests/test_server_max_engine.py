@@ -171,3 +171,21 @@ def test_api_key_guards_max_routes_too(tmp_path, monkeypatch):
         assert allowed.json() == {"from": "max"}
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.post(f"{base}/v1/responses", json={"model": "gpt-oss-max", "input": "x"}).status_code == 401
+
+
+def test_serving_config_turns_grammar_masking_on_even_on_cpu(tmp_path):
+    """Without it MAX's worker silently ignores grammars; MAX refuses it on CPU at validation only."""
+    import argparse
+
+    from max.pipelines.lib import PipelineConfig
+
+    from gptoss_max.cli import make_tiny
+    from gptoss_max.server.cli import pipeline_args, with_constrained_decoding
+
+    make_tiny(tmp_path / "tiny", "mxfp4", seed=0)
+    args = argparse.Namespace(model=str(tmp_path / "tiny"), devices="cpu", max_length=512, max_batch_size=1,
+                              served_model_name=None)  # fmt: skip
+    config = PipelineConfig.from_args(pipeline_args(args))
+    assert not config.needs_bitmask_constraints
+    config = with_constrained_decoding(config)
+    assert config.sampling.enable_structured_output and config.needs_bitmask_constraints
