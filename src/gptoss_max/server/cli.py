@@ -30,10 +30,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, help="SQLite file for stored responses")
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--enable-bench", action="store_true", help="turn on GET /bench")
-    p.add_argument("--constrained-reasoning-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--constrained-reasoning-tokens", type=_non_negative, default=None, metavar="N",
                    help="under a response format or tool choice, cap each reasoning message at N tokens")  # fmt: skip
     p.set_defaults(func=serve_main)
     return p
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def pipeline_args(args: argparse.Namespace) -> Any:
