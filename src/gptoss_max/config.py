@@ -107,6 +107,17 @@ class ModelSpec:
         return cfg
 
 
+_20B = ModelSpec(
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+)
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(
         hidden_size=128,
@@ -118,24 +129,6 @@ PRESETS: dict[str, ModelSpec] = {
         num_local_experts=8,
         num_experts_per_tok=4,
     ),
-    "20b": ModelSpec(
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_hidden_layers=24,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        num_local_experts=32,
-        num_experts_per_tok=4,
-    ),
-    "120b": ModelSpec(
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_hidden_layers=36,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        num_local_experts=128,
-        num_experts_per_tok=4,
-    ),
+    "20b": _20B,
+    "120b": _20B.with_(num_hidden_layers=36, num_local_experts=128, layer_types=()),
 }
