@@ -25,6 +25,16 @@ AFTER_TOOL = (
     "<|channel|>analysis<|message|>It is 20C.<|end|>"
     "<|start|>assistant<|channel|>final<|message|>It is 20C in Paris.<|return|>"
 )
+# How a reasoning -> preamble -> get_weather call -> tool result turn renders back into the prompt.
+TOOL_ROUND_TRIP_PROMPT = (
+    "<|start|>assistant<|channel|>analysis<|message|>Need the weather for Paris.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking the weather.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    '<|message|>{"city":"Paris"}<|call|>'
+    "<|start|>functions.get_weather to=assistant<|channel|>commentary"
+    '<|message|>{"temp":20}<|end|><|start|>assistant'
+)
+
 WEATHER_TOOL = {
     "type": "function",
     "name": "get_weather",

@@ -9,7 +9,7 @@ from openai import OpenAI
 
 from gptoss_max.server.app import build_app
 from gptoss_max.server.engine import ScriptedEngine
-from server_fixtures import AFTER_TOOL, FINAL, TOOL_CALL, decode, long_script, serving
+from server_fixtures import AFTER_TOOL, FINAL, TOOL_CALL, TOOL_ROUND_TRIP_PROMPT, decode, long_script, serving
 
 CHAT_TOOL = {
     "type": "function",
@@ -76,14 +76,7 @@ def test_tool_calls_then_tool_result_keeps_the_chain(make):
     )
     assert second.choices[0].message.content == "It is 20C in Paris."
     prompt = decode(engine.prompts[1])
-    assert prompt.endswith(
-        "<|start|>assistant<|channel|>analysis<|message|>Need the weather for Paris.<|end|>"
-        "<|start|>assistant<|channel|>commentary<|message|>Checking the weather.<|end|>"
-        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
-        '<|message|>{"city":"Paris"}<|call|>'
-        "<|start|>functions.get_weather to=assistant<|channel|>commentary"
-        '<|message|>{"temp":20}<|end|><|start|>assistant'
-    )
+    assert prompt.endswith(TOOL_ROUND_TRIP_PROMPT)
 
 
 def test_stream_deltas_assemble_to_the_same_message(make):

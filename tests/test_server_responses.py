@@ -12,7 +12,16 @@ from prometheus_client import REGISTRY
 
 from gptoss_max.server.app import build_app
 from gptoss_max.server.engine import ScriptedEngine
-from server_fixtures import AFTER_TOOL, FINAL, TOOL_CALL, WEATHER_TOOL, decode, long_script, serving
+from server_fixtures import (
+    AFTER_TOOL,
+    FINAL,
+    TOOL_CALL,
+    TOOL_ROUND_TRIP_PROMPT,
+    WEATHER_TOOL,
+    decode,
+    long_script,
+    serving,
+)
 
 
 def unparsed(obj):
@@ -101,15 +110,7 @@ def test_tool_round_trip_with_previous_response_id(make):
     assert second.output_text == "It is 20C in Paris." and second.previous_response_id == first.id
     prompt2 = decode(engine.prompts[1])
     # the tool chain is still open: its reasoning, preamble and call are all shown again
-    assert prompt2.endswith(
-        "<|start|>user<|message|>Weather?<|end|>"
-        "<|start|>assistant<|channel|>analysis<|message|>Need the weather for Paris.<|end|>"
-        "<|start|>assistant<|channel|>commentary<|message|>Checking the weather.<|end|>"
-        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
-        '<|message|>{"city":"Paris"}<|call|>'
-        "<|start|>functions.get_weather to=assistant<|channel|>commentary"
-        '<|message|>{"temp":20}<|end|><|start|>assistant'
-    )
+    assert prompt2.endswith("<|start|>user<|message|>Weather?<|end|>" + TOOL_ROUND_TRIP_PROMPT)
     third = client.responses.create(
         model=engine.model_name, previous_response_id=second.id, input="Thanks!"
     )
