@@ -97,6 +97,12 @@ def validate(spec: ModelSpec, found: Mapping[str, Tensor]) -> bool:
     return mxfp4
 
 
+def _read_header(fh) -> tuple[dict, int]:
+    """A safetensors header and the offset where tensor data starts."""
+    (n,) = struct.unpack("<Q", fh.read(8))
+    return json.loads(fh.read(n)), 8 + n
+
+
 def read_index(model_dir: Path) -> dict[str, Tensor]:
     """Shapes and dtypes of every tensor in a directory's safetensors files (headers only)."""
     found: dict[str, Tensor] = {}
@@ -105,8 +111,7 @@ def read_index(model_dir: Path) -> dict[str, Tensor]:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
     for f in files:
         with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
+            header, _ = _read_header(fh)
         for name, meta in header.items():
             if name != "__metadata__":
                 found[name] = (tuple(meta["shape"]), meta["dtype"])
@@ -149,9 +154,9 @@ _NP_DTYPES = {BF16: np.uint16, U8: np.uint8, F32: np.float32}
 def load_tensor(path: Path, name: str) -> np.ndarray:
     """One tensor of a safetensors file as NumPy (BF16 widened exactly to float32)."""
     with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        meta = json.loads(fh.read(n))[name]
+        header, data_start = _read_header(fh)
+        meta = header[name]
         start, end = meta["data_offsets"]
-        fh.seek(8 + n + start)
+        fh.seek(data_start + start)
         raw = np.frombuffer(fh.read(end - start), dtype=_NP_DTYPES[meta["dtype"]]).reshape(meta["shape"])
     return from_bf16_bits(raw) if meta["dtype"] == BF16 else raw

@@ -42,10 +42,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from gptoss_max.engine import Engine, EngineOptions, has_gpu
+    from gptoss_max.engine import Engine, EngineOptions, uses_gpu
     from gptoss_max.harmony_cli import parse_completion, render_prompt
 
-    on_gpu = has_gpu() if args.device == "auto" else args.device == "gpu"
+    on_gpu = uses_gpu(args.device)
     model = resolve_model(args.model, on_gpu)
     prompt_ids = render_prompt(args.prompt, args.reasoning_effort)
     logging.getLogger("max.pipelines").setLevel(logging.INFO)  # MAX reports weights loading and compile times

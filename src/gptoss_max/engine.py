@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from gptoss_max import maxapi
-
-logger = logging.getLogger("gptoss_max")
 
 ARCH_MODULE = "gptoss_max.arch"
 STOP_TOKENS = (200002, 200012, 199999)  # <|return|>, <|call|>, <|endoftext|>; never <|end|>
@@ -21,6 +18,11 @@ def has_gpu() -> bool:
     from max.driver import accelerator_count
 
     return accelerator_count() > 0
+
+
+def uses_gpu(device: str) -> bool:
+    """`auto` means a GPU when one is present; otherwise `gpu` or `cpu` as given."""
+    return has_gpu() if device == "auto" else device == "gpu"
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class EngineOptions:
 
     @property
     def on_gpu(self) -> bool:
-        return has_gpu() if self.device == "auto" else self.device == "gpu"
+        return uses_gpu(self.device)
 
 
 def pipeline_args(opts: EngineOptions) -> Any:

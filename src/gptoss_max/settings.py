@@ -30,8 +30,9 @@ def api_key() -> str | None:
 def attention_impl() -> str:
     """`GPTOSS_MAX_ATTENTION`: `ours` (our sink-attention op), `max` (MAX's flash attention), or `auto`.
 
-    `auto` is ours everywhere: MAX 26.7's CPU kernel over-counts sinks past 128 keys and its
-    GPU decode disagrees with the reference (see docs/GPU.md). Read in the process that builds the graph.
+    `auto` is ours: MAX 26.7's GPU decode disagrees with the reference (see docs/GPU.md). `max`
+    applies on a GPU only: on a CPU ours is always used (MAX's over-counts sinks past 128 keys and
+    rejects windows < 256). Read in the process that builds the graph.
     """
     value = os.environ.get("GPTOSS_MAX_ATTENTION", "auto")
     if value not in ("auto", "ours", "max"):

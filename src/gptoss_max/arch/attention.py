@@ -1,4 +1,4 @@
-"""gpt-oss attention whose core is our sink-aware op (used on CPU, where MAX's is wrong)."""
+"""gpt-oss attention whose core is our sink-aware op (MAX's is wrong on CPU past 128 keys and drifts in GPU decode)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,6 @@ class SinkAttention(maxapi.GptOssAttention):
 
 def use_sink_attention(block) -> None:
     """Why: MAX's CPU flash attention over-counts sinks past 128 keys (and rejects windows < 256);
-    its GPU decode disagrees with the reference too. Our op is used unless GPTOSS_MAX_ATTENTION=max."""
+    its GPU decode disagrees with the reference too. On a GPU, GPTOSS_MAX_ATTENTION=max keeps MAX's."""
     for shard in block.self_attn_shards:
         shard.__class__ = SinkAttention

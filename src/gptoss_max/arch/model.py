@@ -1,9 +1,8 @@
-"""`GptOssForCausalLM` for MAX: the stock gpt_oss graph with our MoE (and, on CPU, our attention)."""
+"""`GptOssForCausalLM` for MAX: the stock gpt_oss graph with our MoE, our YaRN and our sink attention."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, ClassVar
 
 from max.dtype import DType
@@ -17,8 +16,6 @@ from gptoss_max.arch.rope import use_gptoss_rope
 from gptoss_max.arch.weights import adapt_state_dict
 from gptoss_max.config import ModelSpec
 from gptoss_max.kernels import kernels_path
-
-logger = logging.getLogger("gptoss_max")
 
 
 def on_cpu(devices: list[DeviceRef]) -> bool:

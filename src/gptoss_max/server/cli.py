@@ -49,11 +49,11 @@ def pipeline_args(args: argparse.Namespace) -> Any:
     from max.pipelines.modeling.types import PipelineTask
 
     from gptoss_max.cli import resolve_model
-    from gptoss_max.engine import EngineOptions, has_gpu
+    from gptoss_max.engine import EngineOptions, uses_gpu
     from gptoss_max.engine import pipeline_args as engine_pipeline_args
 
     device = args.devices if args.devices in ("auto", "cpu", "gpu") else "gpu"
-    on_gpu = has_gpu() if device == "auto" else device == "gpu"
+    on_gpu = uses_gpu(device)
     opts: dict[str, Any] = {"model": resolve_model(args.model, on_gpu), "device": device}
     if args.max_length:
         opts["max_length"] = args.max_length
