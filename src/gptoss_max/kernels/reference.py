@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from gptoss_max import mxfp4
+from gptoss_max.checkpoint import from_bf16_bits, to_bf16_bits
 
 SWIGLU_LIMIT = 7.0
 SWIGLU_ALPHA = 1.702
@@ -14,9 +15,7 @@ SWIGLU_ALPHA = 1.702
 
 def round_to_bf16(a: np.ndarray) -> np.ndarray:
     """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return rounded.astype(np.uint32).view(np.float32)
+    return from_bf16_bits(to_bf16_bits(a)).reshape(np.shape(a))
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
