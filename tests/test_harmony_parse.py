@@ -88,6 +88,16 @@ def test_refusal_without_channel_tokens_is_a_final_message():
     assert got == [("message", "final_answer", "I'm sorry, but I can't help with that.", True)]
 
 
+def test_short_text_without_header_cut_off_is_kept_as_final():
+    from gptoss_max.harmony.render import encode_text
+
+    assert parse_completion([]) == []
+    got = items(parse_completion(encode_text("just words, no header"), truncated=True))
+    assert got == [("message", "final_answer", "just words, no header", False)]
+    # a header that was cut off is not text
+    assert items(parse_completion(encode_harmony("<|channel|>final"), truncated=True)) == []
+
+
 def test_truncated_item_is_incomplete_and_kept_in_history():
     stream = HarmonyStream()
     events = stream.feed_all(encode_harmony("<|channel|>analysis<|message|>a long thou"))

@@ -166,6 +166,8 @@ class HarmonyStream:
             except HarmonyError:
                 pass  # an incomplete header: whatever text was open is closed below
             events = self._collect(complete=not truncated)
+            if self._open is None and self._header and not any(map(self._enc.is_special_token, self._header)):
+                events += self._go_plain()  # short text that never began a header: plain, as long text is
         if self._open is not None:
             events += self._close("".join(self._open.text), None, complete=not truncated)
         return events
