@@ -42,12 +42,17 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from openai_harmony import Message, Role
+
     from gptoss_max.engine import Engine, EngineOptions, uses_gpu
-    from gptoss_max.harmony_cli import parse_completion, render_prompt
+    from gptoss_max.harmony.parse import ItemDone, ItemStarted, parse_completion
+    from gptoss_max.harmony.render import TurnSpec, render_prompt
 
     on_gpu = uses_gpu(args.device)
     model = resolve_model(args.model, on_gpu)
-    prompt_ids = render_prompt(args.prompt, args.reasoning_effort)
+    prompt_ids = render_prompt(
+        TurnSpec(effort=args.reasoning_effort), [Message.from_role_and_content(Role.USER, args.prompt)]
+    ).ids
     logging.getLogger("max.pipelines").setLevel(logging.INFO)  # MAX reports weights loading and compile times
     print(f"loading and compiling {model} on {'GPU' if on_gpu else 'CPU'} (first compile takes minutes) ...")
     engine = Engine(EngineOptions(model=model, device="gpu" if on_gpu else "cpu", max_batch_size=1))
@@ -59,8 +64,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         first = first or time.perf_counter()
         out.append(tok)
     end = time.perf_counter()
-    for channel, text in parse_completion(out):
-        print(f"[{channel}] {text}")
+    kind = "?"
+    for event in parse_completion(out, truncated=len(out) >= args.max_new_tokens):
+        if isinstance(event, ItemStarted):
+            kind = f"call {event.name}" if event.kind == "function_call" else (event.phase or event.kind)
+        elif isinstance(event, ItemDone):
+            print(f"[{kind}] {event.text}")
     decode_s = end - (first or end)
     rate = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else float("nan")
     print(f"{len(out)} tokens; time to first token {((first or end) - t0) * 1e3:.0f} ms; decode {rate:.1f} tok/s")
