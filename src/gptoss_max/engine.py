@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptoss_max import maxapi
+from gptoss_max.harmony.render import STOP_TOKEN_IDS
 
 ARCH_MODULE = "gptoss_max.arch"
-STOP_TOKENS = (200002, 200012, 199999)  # <|return|>, <|call|>, <|endoftext|>; never <|end|>
 
 
 def has_gpu() -> bool:
@@ -85,7 +85,7 @@ class Engine:
             top_k=1 if temperature == 0 else -1,
             top_p=top_p,
             max_new_tokens=max_new_tokens,
-            stop_token_ids=list(STOP_TOKENS),
+            stop_token_ids=list(STOP_TOKEN_IDS),
             seed=seed,
             detokenize=False,
         )
