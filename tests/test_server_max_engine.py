@@ -16,7 +16,7 @@ from gptoss_max.server.app import build_app, mount
 from gptoss_max.server.engine import GenParams, PromptTooLong, QueueFull, Rejected
 from gptoss_max.server.max_engine import MaxEngine
 from gptoss_max.server.state import ServerState
-from gptoss_max.server.store import ResponseStore
+from gptoss_max.server.store import SQLiteStore
 from server_fixtures import FINAL, serving
 
 
@@ -139,7 +139,7 @@ def test_mount_replaces_max_routes_at_our_paths(tmp_path):
         return {"from": "max"}
 
     engine = engine_for(FakePipeline(encode_harmony(FINAL)))
-    mount(app, ServerState(engine, ResponseStore(tmp_path / "r.sqlite3")))
+    mount(app, ServerState(engine, SQLiteStore(tmp_path / "r.sqlite3")))
     with serving(app) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         chat = client.chat.completions.create(
@@ -162,7 +162,7 @@ def test_api_key_guards_max_routes_too(tmp_path, monkeypatch):
         return {"ok": True}
 
     engine = engine_for(FakePipeline(encode_harmony(FINAL)))
-    mount(app, ServerState(engine, ResponseStore(tmp_path / "r.sqlite3")))
+    mount(app, ServerState(engine, SQLiteStore(tmp_path / "r.sqlite3")))
     monkeypatch.setenv("GPTOSS_MAX_API_KEY", "sekrit")
     with serving(app) as base:
         denied = httpx.post(f"{base}/v1/completions", json={})

@@ -1,44 +1,154 @@
-"""The SQLite response store."""
+"""The response store: SQLite and PostgreSQL (a real server, see pg_fixtures.py) behind one interface."""
 
+import sqlite3
 import threading
 
+import psycopg
+import pytest
+
 from gptoss_max.harmony import messages as hm
-from gptoss_max.server.store import ResponseStore, default_path
+from gptoss_max.server.store import (
+    SCHEMA_VERSION,
+    SchemaTooNew,
+    SQLiteStore,
+    default_path,
+    open_store,
+)
+from gptoss_max.server.store_pg import PostgresStore, describe
+from pg_fixtures import pg_server_url, pg_url  # noqa: F401 - fixtures
 
 
-def test_put_get_delete_and_reopen(tmp_path):
-    path = tmp_path / "sub" / "r.sqlite3"
+@pytest.fixture(params=["sqlite", "postgresql"])
+def spec(request, tmp_path):
+    """What `--store` would be given, for each backend."""
+    if request.param == "sqlite":
+        return str(tmp_path / "sub" / "r.sqlite3")
+    return request.getfixturevalue("pg_url")
+
+
+def test_put_get_delete_and_reopen(spec):
     history = hm.to_json([hm.user("hi"), hm.function_call("f", "{}")])
-    store = ResponseStore(path)
+    store = open_store(spec)
+    assert store.schema_version() == SCHEMA_VERSION
     store.put({"id": "resp_1", "output": []}, history, {"call_1": "f"})
-    store.put({"id": "resp_1", "output": [1]}, history, {"call_1": "f"})  # replaces
+    store.put({"id": "resp_1", "output": [1], "z": 1, "a": 2}, history, {"call_1": "f"})  # replaces
     store.close()
-    again = ResponseStore(path)
+    again = open_store(spec)
     got = again.get("resp_1")
-    assert got.response == {"id": "resp_1", "output": [1]} and got.calls == {"call_1": "f"}
+    assert got.response == {"id": "resp_1", "output": [1], "z": 1, "a": 2} and got.calls == {"call_1": "f"}
+    assert list(got.response) == ["id", "output", "z", "a"], "stored as written"
     assert [m.recipient for m in hm.from_json(got.history)] == [None, "functions.f"]
     assert again.get("resp_2") is None
     assert again.delete("resp_1") and not again.delete("resp_1")
     assert again.get("resp_1") is None
+    again.close()
+
+
+def test_concurrent_writers_and_readers(spec):
+    store = open_store(spec)
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(40):
+                store.put({"id": f"{k}-{i}"}, "[]", {})
+                assert store.get(f"{k}-{i}").response == {"id": f"{k}-{i}"}
+        except Exception as exc:  # reported below; a thread's assert would be lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(store.get(f"{k}-39") for k in range(6))
+    store.close()
+
+
+def test_two_stores_on_one_database_see_each_other(spec):
+    """What replicas rely on: a write through one is read through the other at once."""
+    a, b = open_store(spec), open_store(spec)
+    a.put({"id": "r"}, "[]", {"c": "f"})
+    assert b.get("r").calls == {"c": "f"}
+    assert b.delete("r") and a.get("r") is None
+    a.close()
+    b.close()
 
 
 def test_default_path_is_under_the_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("GPTOSS_MAX_DATA", str(tmp_path))
     assert default_path() == tmp_path / "responses.sqlite3"
-    ResponseStore().put({"id": "r"}, "{}", {})
+    open_store().put({"id": "r"}, "{}", {})
     assert (tmp_path / "responses.sqlite3").exists()
 
 
-def test_concurrent_writers(tmp_path):
-    store = ResponseStore(tmp_path / "r.sqlite3")
+def test_store_specs_pick_the_backend(tmp_path):
+    assert isinstance(open_store(str(tmp_path / "x.db")), SQLiteStore)
+    assert isinstance(open_store(tmp_path / "y.db"), SQLiteStore)
+    with pytest.raises(psycopg.OperationalError):  # a PostgreSQL URL goes to PostgreSQL, here refused
+        open_store("postgresql://nobody@127.0.0.1:1/none?connect_timeout=2")
+    assert describe("postgresql://u:secret@db.example:5433/app") == "postgresql://u@db.example:5433/app"
 
-    def write(k):
-        for i in range(50):
-            store.put({"id": f"{k}-{i}"}, "{}", {})
 
-    threads = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+def test_sqlite_store_from_before_versions_is_upgraded(tmp_path):
+    """The first store had the table but no version mark: it is version 1, its rows kept."""
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, created_at REAL NOT NULL, "
+               "response TEXT NOT NULL, history TEXT NOT NULL, calls TEXT NOT NULL)")  # fmt: skip
+    db.execute("INSERT INTO responses VALUES ('old', 1.0, '{\"id\": \"old\"}', '[]', '{}')")
+    db.commit()
+    db.close()
+    store = SQLiteStore(path)
+    assert store.schema_version() == SCHEMA_VERSION
+    assert store.get("old").response == {"id": "old"}
+
+
+def test_sqlite_store_from_a_newer_version_is_refused(tmp_path):
+    path = tmp_path / "new.sqlite3"
+    SQLiteStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(SchemaTooNew, match=f"schema version {SCHEMA_VERSION + 1}"):
+        SQLiteStore(path)
+
+
+def test_postgres_store_from_a_newer_version_is_refused(pg_url):  # noqa: F811
+    PostgresStore(pg_url).close()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("UPDATE gptoss_schema SET version = %s", (SCHEMA_VERSION + 1,))
+    with pytest.raises(SchemaTooNew):
+        PostgresStore(pg_url)
+
+
+def test_postgres_replicas_starting_together_migrate_once(pg_url):  # noqa: F811
+    stores, errors = [], []
+
+    def open_one():
+        try:
+            stores.append(PostgresStore(pg_url))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert all(store.get(f"{k}-49") for k in range(4))
+    assert errors == [] and len(stores) == 6
+    with psycopg.connect(pg_url) as conn:
+        assert conn.execute("SELECT count(*), min(version) FROM gptoss_schema").fetchone() == (1, SCHEMA_VERSION)
+    for s in stores:
+        s.close()
+
+
+def test_postgres_store_survives_a_dropped_connection(pg_url):  # noqa: F811
+    store = PostgresStore(pg_url, pool_size=1)
+    store.put({"id": "a"}, "[]", {})
+    with psycopg.connect(pg_url, autocommit=True) as admin:  # what a database restart does to it
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                      "WHERE datname = current_database() AND pid <> pg_backend_pid()")  # fmt: skip
+    assert store.get("a").response == {"id": "a"}
+    store.close()

@@ -4,55 +4,96 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from gptoss_max import settings
 from gptoss_max.server import chat, responses
 from gptoss_max.server.bench import run_bench
 from gptoss_max.server.engine import Engine
-from gptoss_max.server.errors import APIError, install_handlers, not_found
-from gptoss_max.server.state import ServerState
-from gptoss_max.server.store import ResponseStore
+from gptoss_max.server.errors import install_handlers, not_found
+from gptoss_max.server.guard import OPEN_PATHS, Guard
+from gptoss_max.server.schemas import ChatRequest, ResponsesRequest
+from gptoss_max.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
+from gptoss_max.server.store import ResponseStore, open_store
 
 STARTED = int(time.time())
 
-
-OPEN_PATHS = frozenset({"/health", "/metrics"})
-
-
-def _key_error(request: Request) -> APIError | None:
-    key = settings.api_key()
-    if key and request.headers.get("authorization") != f"Bearer {key}":
-        return APIError(401, "Missing or invalid API key.", code="invalid_api_key")
-    return None
+# MAX's routes that are no use with this server and would take a local path from the request
+# (LoRA adapters: `lora_path`) or run another task: answered 404 by never being mounted.
+REMOVED_MAX_PATHS = frozenset(
+    {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/embeddings", "/v1/audio/speech"}
+)
+__all__ = ["OPEN_PATHS", "REMOVED_MAX_PATHS", "build_app", "build_router", "mount"]
 
 
-def _check_key(request: Request) -> None:
-    if error := _key_error(request):
-        raise error
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+_SCHEMA_PREFIX = "gptoss_"
+_BODIES: tuple[type[BaseModel], ...] = (ResponsesRequest, ChatRequest)
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody} for code in (*codes, 401, 503)}
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The route's request body, in the OpenAPI schema (the route itself validates it: a 400 naming the field)."""
+    ref = {"$ref": f"#/components/schemas/{_SCHEMA_PREFIX}{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _with_body_schemas(app: FastAPI) -> None:
+    """`app.openapi()` with our request bodies' schemas among its components."""
+    base = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = base()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in _BODIES:
+            ref_template = f"#/components/schemas/{_SCHEMA_PREFIX}{{model}}"
+            body = model.model_json_schema(ref_template=ref_template, by_alias=True)
+            for name, sub in body.pop("$defs", {}).items():
+                components[f"{_SCHEMA_PREFIX}{name}"] = sub
+            components[f"{_SCHEMA_PREFIX}{model.__name__}"] = body
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def build_router(state: ServerState) -> APIRouter:
-    api = APIRouter(dependencies=[Depends(_check_key)])
+    api = APIRouter()
 
-    @api.post("/v1/responses")
+    @api.post("/v1/responses", responses=_errors(400, 404, 413, 429), openapi_extra=_json_body(ResponsesRequest))
     async def create_response(request: Request) -> Response:
         return await responses.create(request, state)
 
-    @api.get("/v1/responses/{response_id}")
+    @api.get("/v1/responses/{response_id}", responses=_errors(404))
     async def get_response(response_id: str) -> dict:
         return await responses.retrieve(response_id, state)
 
-    @api.delete("/v1/responses/{response_id}")
+    @api.delete("/v1/responses/{response_id}", responses=_errors(404))
     async def delete_response(response_id: str) -> dict:
         return await responses.delete(response_id, state)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", responses=_errors(400, 413, 429), openapi_extra=_json_body(ChatRequest))
     async def chat_completions(request: Request) -> Response:
         return await chat.create(request, state)
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=_errors())
     async def models() -> dict:
         model = {
             "id": state.engine.model_name,
@@ -63,7 +104,7 @@ def build_router(state: ServerState) -> APIRouter:
         }
         return {"object": "list", "data": [model]}
 
-    @api.get("/bench")
+    @api.get("/bench", responses=_errors(400, 404))
     async def bench(n: int = 8, max_new_tokens: int = 64) -> dict:
         if not state.enable_bench:
             raise not_found("The decode probe is off; start the server with --enable-bench.")
@@ -71,9 +112,11 @@ def build_router(state: ServerState) -> APIRouter:
 
     router = APIRouter()
 
-    @router.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": state.engine.model_name}
+    @router.get("/health", responses={503: {"description": "shutting down"}})
+    async def health() -> Response:
+        if state.draining:  # a load balancer's cue to send new requests elsewhere
+            return JSONResponse({"status": "draining", "model": state.engine.model_name}, 503)
+        return JSONResponse({"status": "ok", "model": state.engine.model_name})
 
     @router.get("/metrics")
     async def prometheus() -> Response:
@@ -92,26 +135,28 @@ def build_app(
     *,
     enable_bench: bool = False,
     constrained_reasoning_tokens: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """A self-contained app over any `Engine` (the store defaults to the data dir)."""
-    if not isinstance(store, ResponseStore):
-        store = ResponseStore(store)
-    state = ServerState(engine, store, enable_bench, constrained_reasoning_tokens)
+    """A self-contained app over any `Engine` (the store: `open_store`'s spec, default the data dir)."""
+    state = ServerState(engine, open_store(store), enable_bench, constrained_reasoning_tokens, max_body_bytes)
     app = FastAPI(title="gptoss-max")
     app.state.gptoss = state
     app.include_router(build_router(state))
+    _with_body_schemas(app)
     install_handlers(app)
+    app.add_middleware(Guard, state=state)
     return app
 
 
 def mount(app: FastAPI, state: ServerState) -> None:
     """Put our routes on MAX's app ahead of MAX's own, so ours answer at the paths we share."""
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in REMOVED_MAX_PATHS]
+    before = len(app.router.routes)
     app.include_router(build_router(state))
-    app.router.routes.insert(0, app.router.routes.pop())  # routes match in order
+    ours = app.router.routes[before:]
+    del app.router.routes[before:]
+    app.router.routes[:0] = ours  # routes match in order: ours first
     app.state.gptoss = state
+    _with_body_schemas(app)
     install_handlers(app, http_errors=False)
-
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):  # MAX's own routes (e.g. /v1/completions) too
-        error = None if request.url.path in OPEN_PATHS else _key_error(request)
-        return error.response() if error else await call_next(request)
+    app.add_middleware(Guard, state=state)  # MAX's own routes (e.g. /v1/completions) pass it too

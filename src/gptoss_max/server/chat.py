@@ -16,7 +16,7 @@ from gptoss_max.harmony.parse import ItemStarted, ParseEvent, TextDelta
 from gptoss_max.harmony.render import TurnSpec, render_prompt
 from gptoss_max.server import grammar, tools
 from gptoss_max.server.engine import GenParams
-from gptoss_max.server.errors import bad_request, read_json_object, server_error
+from gptoss_max.server.errors import bad_request, read_json_object, server_error, shutting_down
 from gptoss_max.server.generation import EventStream, Generation, until_disconnected
 from gptoss_max.server.schemas import ChatRequest, parse_request
 from gptoss_max.server.state import ServerState
@@ -125,7 +125,7 @@ class ChatRun:
                 "message": self.gen.failure,
                 "type": "server_error",
                 "param": None,
-                "code": "server_error",
+                "code": "server_shutting_down" if self.gen.aborted else "server_error",
             }
             yield f"data: {json.dumps({'error': err})}\n\n"
         else:
@@ -138,6 +138,8 @@ class ChatRun:
         async for event in self.gen.events():
             self.on(event)
         self.gen.record_metrics("chat")
+        if self.gen.aborted:
+            raise shutting_down()
         if self.gen.failure:
             raise server_error(self.gen.failure)
         message = {
@@ -180,9 +182,12 @@ async def create(request: Request, state: ServerState) -> Response:
     )
     constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
     params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed, grammar=constraint)
-    gen = Generation(state.engine, prompt, params)
+    gen = Generation(state.engine, prompt, params, state.generations)
     await until_disconnected(request, gen.start())
     run = ChatRun(state, req, gen)
     if req.stream:
         return EventStream(run.sse(), gen)
-    return JSONResponse(await until_disconnected(request, run.complete()))
+    try:
+        return JSONResponse(await until_disconnected(request, run.complete()))
+    finally:
+        await gen.close()

@@ -9,11 +9,19 @@ API types), and our routes replace MAX's at the paths we serve.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("gptoss_max.server")
+
+API_KEY_ENV = "GPTOSS_MAX_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # state.DEFAULT_MAX_BODY_BYTES (not imported: keeps --help light)
+DEFAULT_GRACE_S = 25.0  # shutdown.DEFAULT_GRACE_S
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,7 +35,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=None, help="sequences per batch")
     p.add_argument("--max-length", type=int, default=None, help="context length in tokens")
     p.add_argument("--max-queue-size", type=int, default=None, help="backlog before HTTP 429")
-    p.add_argument("--store", default=None, help="SQLite file for stored responses")
+    p.add_argument("--store", default=None, metavar="PATH_OR_URL",
+                   help="stored responses: a SQLite file (default: in the data dir) or a postgresql:// URL "
+                        "shared by replicas (a password is best given as PGPASSWORD)")  # fmt: skip
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, "
+                        "which unlike a flag is not visible in ps)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="larger request bodies are refused (HTTP 413)")  # fmt: skip
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_GRACE_S, metavar="S",
+                   help="on SIGTERM, seconds running streams may take to finish before they end as failed")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--enable-bench", action="store_true", help="turn on GET /bench")
     p.add_argument("--constrained-reasoning-tokens", type=_non_negative, default=None, metavar="N",
@@ -40,6 +57,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
     return value
 
 
@@ -101,14 +125,18 @@ def build_max_app(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
     from max.serve.api_server import ServingTokenGeneratorSettings, fastapi_app
 
     from gptoss_max.server.app import mount
+    from gptoss_max.server.kv_probe import KVProbe, ProbedFactory, expose
     from gptoss_max.server.max_engine import MaxEngine
     from gptoss_max.server.state import ServerState
-    from gptoss_max.server.store import ResponseStore
+    from gptoss_max.server.store import open_store
 
     config = with_constrained_decoding(PipelineConfig.from_args(pipeline_args(args)))
     retrieved = PIPELINE_REGISTRY.retrieve_factory(config, task=config.task)
+    kv_dir = tempfile.mkdtemp(prefix="gptoss-kv-")
+    atexit.register(shutil.rmtree, kv_dir, True)
+    kv = KVProbe(Path(kv_dir) / "kv.json")
     serving = ServingTokenGeneratorSettings(
-        model_factory=retrieved.factory,
+        model_factory=ProbedFactory(retrieved.factory, kv.path),
         pipeline_config=config,
         tokenizer=retrieved.tokenizer,
         task=config.task,
@@ -121,42 +149,37 @@ def build_max_app(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
         max_context=int(retrieved.tokenizer.max_length),
         sampling_defaults=config.model.sampling_params_defaults,
     )
-    store = ResponseStore(Path(args.store) if args.store else None)
-    state = ServerState(engine, store, args.enable_bench, args.constrained_reasoning_tokens)
+    store = open_store(args.store)
+    state = ServerState(engine, store, args.enable_bench, args.constrained_reasoning_tokens,
+                        max_body_bytes=args.max_body_bytes, kv=kv)  # fmt: skip
+    expose(kv)
     mount(app, state)
     logger.info(
         "serving %s (context %d); responses stored in %s",
         engine.model_name,
         engine.max_context,
-        store.path,
+        store.location,
     )
     return app, serving
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    import signal
-
     import uvloop
     from max.serve.api_server import fastapi_config, lifespan, validate_port_is_free
     from max.serve.telemetry.common import configure_logging, configure_metrics
     from sse_starlette.sse import unpatch_uvicorn_signal_handler
-    from uvicorn import Server
 
+    from gptoss_max.server import shutdown
+
+    if args.api_key:  # read per request from the environment, like a key given there
+        os.environ[API_KEY_ENV] = args.api_key
     validate_port_is_free(args.port)
     settings = serve_settings(args)
     configure_logging(settings)
     configure_metrics(settings)  # as MAX's own entrypoint does; without it each metric logs an error
     app, serving = build_max_app(args, settings)
-    server = Server(fastapi_config(app, settings))
-
-    async def serve() -> None:
-        async with lifespan(app, settings, serving, app.state.zmq_endpoint_base):
-            await server.serve()
-
-    def exit_on_sigterm(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds the lifespan, which stops the model worker
-
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    server = shutdown.DrainingServer(fastapi_config(app, settings), app.state.gptoss, args.shutdown_grace)
+    shutdown.install_exit_handler()
     unpatch_uvicorn_signal_handler()
-    uvloop.run(serve())
+    uvloop.run(shutdown.serve(server, lifespan(app, settings, serving, app.state.zmq_endpoint_base)))
     return 0

@@ -17,6 +17,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     499: "invalid_request_error",
 }
@@ -52,7 +53,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 429 else None
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -66,6 +67,20 @@ def not_found(message: str, param: str | None = None) -> APIError:
 
 def queue_full() -> APIError:
     return APIError(429, "The server is at capacity; retry shortly.", code="rate_limit_exceeded")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down; retry on another replica or shortly.",
+                    code="server_shutting_down")  # fmt: skip
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server accepts ({limit} bytes).",
+                    code="request_too_large")  # fmt: skip
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "Missing or invalid API key.", code="invalid_api_key")
 
 
 def server_error(

@@ -1,8 +1,13 @@
 """One request's token loop, shared by /v1/responses and /v1/chat/completions.
 
 The engine's chunks go through a `HarmonyStream`; generation ends at a stop token, at
-the token budget, on malformed output the parser cannot recover from, or when the
-client goes away (the consuming task is cancelled and the engine iterator closed).
+the token budget, on malformed output the parser cannot recover from, when the client
+goes away (the consuming task is cancelled and the engine iterator closed), or when the
+server stops it (`abort`, at the end of a shutdown's grace period: it ends as failed).
+
+Each chunk is awaited as a task of its own, so `abort` can cancel just that wait: the
+engine iterator stops (MAX's worker is told to cancel the request) while the consumer
+goes on to close the response properly.
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ from gptoss_max.harmony.parse import HarmonyStream, ParseEvent
 from gptoss_max.harmony.render import Prompt
 from gptoss_max.server import metrics
 from gptoss_max.server.engine import Engine, GenParams, PromptTooLong, QueueFull, Rejected
-from gptoss_max.server.errors import APIError, bad_request, queue_full
+from gptoss_max.server.errors import APIError, bad_request, queue_full, shutting_down
 
 logger = logging.getLogger("gptoss_max.server")
 T = TypeVar("T")
 
 
 class Generation:
-    def __init__(self, engine: Engine, prompt: Prompt, params: GenParams):
+    def __init__(
+        self, engine: Engine, prompt: Prompt, params: GenParams, registry: set[Generation] | None = None
+    ):
         self.prompt = prompt
         self.params = params
         self.harmony = HarmonyStream()
@@ -37,19 +44,56 @@ class Generation:
         self.cached_tokens = 0
         self.stop_token: int | None = None
         self.failure: str | None = None
+        self.aborted: str | None = None  # why the server stopped it, if it did
         self._chunks = aiter(engine.generate(prompt.ids, params))
         self._first: list[int] | None = None
+        self._pending: asyncio.Future | None = None
+        self._registry = registry
+        self._ended = False  # no more tokens will be taken
 
     async def start(self) -> None:
         """Wait for admission and the first chunk, so refusals are still HTTP statuses."""
+        if self._registry is not None:
+            self._registry.add(self)
         try:
-            self._first = await anext(self._chunks, [])
-        except QueueFull:
-            raise queue_full() from None
-        except PromptTooLong as exc:
-            raise bad_request(str(exc), "input", "context_length_exceeded") from None
-        except Rejected as exc:
-            raise bad_request(str(exc)) from None
+            self._first = await self._pull()
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, QueueFull):
+                raise queue_full() from None
+            if isinstance(exc, PromptTooLong):
+                raise bad_request(str(exc), "input", "context_length_exceeded") from None
+            if isinstance(exc, Rejected):
+                raise bad_request(str(exc)) from None
+            raise
+        if self.aborted:
+            await self.close()
+            raise shutting_down()
+
+    async def _pull(self) -> list[int] | None:
+        """The engine's next chunk; None at its end or once aborted."""
+        if self.aborted:
+            return None
+        pending = self._pending = asyncio.ensure_future(anext(self._chunks, None))
+        try:
+            await asyncio.wait({pending})
+        except asyncio.CancelledError:  # our consumer is cancelled (its client left): stop the engine
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+            raise
+        if pending.cancelled():  # abort()
+            return None
+        return pending.result()
+
+    def abort(self, reason: str) -> None:
+        """Stop generating now; the response ends as failed with `reason` (unless it has ended)."""
+        if self.aborted or self._ended:
+            return
+        self.aborted = reason
+        self.failure = self.failure or reason
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
 
     @property
     def status(self) -> str:
@@ -70,10 +114,11 @@ class Generation:
                 chunk = await self._next_chunk()
             ended = True
         finally:
+            self._ended = True
             if not ended:
                 metrics.CANCELLED.inc()
             await self.close()
-        for event in self.harmony.finish(truncated=self.status == "incomplete"):
+        for event in self.harmony.finish(truncated=self.status == "incomplete" or self.aborted is not None):
             yield event
 
     def _take(self, chunk: list[int]) -> tuple[list[ParseEvent], bool]:
@@ -86,17 +131,17 @@ class Generation:
             events += self.harmony.feed(token)
             if token in self.params.stop_token_ids:
                 self.stop_token = token
-                return events, True
-            if self.harmony.error:
+            elif self.harmony.error:
                 self.failure = self.harmony.error
-                return events, True
-            if len(self.output_ids) >= self.params.max_new_tokens:
-                return events, True
+            elif len(self.output_ids) < self.params.max_new_tokens:
+                continue
+            self._ended = True
+            return events, True
         return events, False
 
     async def _next_chunk(self) -> list[int] | None:
         try:
-            return await anext(self._chunks, None)
+            return await self._pull()
         except Exception as exc:  # the engine broke mid-generation: end this request only
             logger.exception("generation failed")
             self.failure = f"generation failed: {type(exc).__name__}: {exc}"
@@ -113,6 +158,8 @@ class Generation:
         )
 
     async def close(self) -> None:
+        if self._registry is not None:
+            self._registry.discard(self)
         aclose = getattr(self._chunks, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):

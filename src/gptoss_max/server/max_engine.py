@@ -73,6 +73,10 @@ class MaxEngine:
             raise PromptTooLong(str(exc)) from None
         except InputError as exc:
             raise Rejected(str(exc)) from None
+        except BaseException:  # cancelled while submitting: the worker may have it already
+            with contextlib.suppress(Exception):
+                self.pipeline.model_worker.cancel(request.request_id)
+            raise
         finished, first = False, True
         try:
             async for out in _refusals_as(outputs, InputError):

@@ -174,12 +174,15 @@ async def create(request: Request, state: ServerState) -> Response:
                 "previous_response_id",
             )
     turn = plan_turn(state, req, stored)
-    gen = Generation(state.engine, turn.prompt, turn.params)
+    gen = Generation(state.engine, turn.prompt, turn.params, state.generations)
     await until_disconnected(request, gen.start())
     run = ResponseRun(state, req, turn, gen)
     if req.stream:
         return EventStream(run.sse(), gen)
-    return JSONResponse(await until_disconnected(request, run.complete()))
+    try:
+        return JSONResponse(await until_disconnected(request, run.complete()))
+    finally:
+        await gen.close()
 
 
 async def retrieve(response_id: str, state: ServerState) -> dict:

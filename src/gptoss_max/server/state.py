@@ -1,12 +1,18 @@
-"""What every route shares: the engine, the response store, the server's options."""
+"""What every route shares: the engine, the response store, the server's options and lifecycle."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from gptoss_max.server.engine import Engine
 from gptoss_max.server.errors import bad_request
 from gptoss_max.server.store import ResponseStore
+
+if TYPE_CHECKING:
+    from gptoss_max.server.generation import Generation
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far past any context served here
 
 
 @dataclass
@@ -15,6 +21,11 @@ class ServerState:
     store: ResponseStore
     enable_bench: bool = False
     constrained_reasoning_tokens: int | None = None  # cap per reasoning message under a grammar
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    kv: Any = None  # a KVProbe (kv_probe.py) when the engine is MAX's: its worker's KV cache figures
+    draining: bool = False  # set on SIGTERM: new requests get 503, running ones may finish
+    inflight: int = 0  # HTTP requests inside the app, streams until their last byte
+    generations: set[Generation] = field(default_factory=set)  # admitted, not yet closed
 
     def check_model(self, model: str) -> None:
         if model != self.engine.model_name:

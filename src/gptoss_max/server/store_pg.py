@@ -1,0 +1,134 @@
+"""The response store in PostgreSQL, shared by every replica that is given the same URL.
+
+psycopg 3; a few connections reused across the threads the routes call in (a connection
+that broke, e.g. over a database restart, is dropped and the call retried once on a new
+one). Rows are written whole (`INSERT ... ON CONFLICT DO UPDATE`), so replicas need no
+coordination beyond the database's. The schema version lives in `gptoss_schema`; replicas
+starting together migrate one at a time under an advisory lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from gptoss_max.server.store import SCHEMA_VERSION, ResponseStore, SchemaTooNew, StoredResponse, as_row, from_row
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE IF NOT EXISTS gptoss_responses (
+            id TEXT PRIMARY KEY,
+            created_at DOUBLE PRECISION NOT NULL,
+            response TEXT NOT NULL,
+            history TEXT NOT NULL,
+            calls TEXT NOT NULL
+        )""",
+    ),
+)
+assert len(MIGRATIONS) == SCHEMA_VERSION, "both backends share version numbers"
+
+_LOCK_ID = 0x6770746F73735F31  # pg_advisory_xact_lock key for migrations ("gptoss_1")
+T = TypeVar("T")
+
+
+def describe(dsn: str) -> str:
+    """The URL without its password, for logs."""
+    info = conninfo_to_dict(dsn)
+    user = f"{info['user']}@" if info.get("user") else ""
+    port = f":{info['port']}" if info.get("port") else ""
+    return f"postgresql://{user}{info.get('host', '')}{port}/{info.get('dbname', '')}"
+
+
+class PostgresStore(ResponseStore):
+    def __init__(self, dsn: str, *, pool_size: int = 8, connect_timeout: int = 10):
+        self._dsn = dsn
+        self._timeout = connect_timeout
+        self.location = describe(dsn)
+        self._idle: queue.LifoQueue[psycopg.Connection] = queue.LifoQueue()
+        self._pool_size = pool_size
+        self._closed = False
+        self._migrate()
+
+    def _connect(self) -> psycopg.Connection:
+        return psycopg.connect(self._dsn, autocommit=True, connect_timeout=self._timeout)
+
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[psycopg.Connection]:
+        try:
+            conn = self._idle.get_nowait()
+        except queue.Empty:
+            conn = self._connect()
+        try:
+            yield conn
+        except BaseException:
+            conn.close()  # its state is unknown; the next call gets a fresh one
+            raise
+        if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.close()
+        elif self._closed or self._idle.qsize() >= self._pool_size:
+            conn.close()
+        else:
+            self._idle.put(conn)
+
+    def _run(self, fn: Callable[[psycopg.Connection], T]) -> T:
+        try:
+            with self._conn() as conn:
+                return fn(conn)
+        except psycopg.OperationalError:  # a dropped connection: once more on a new one
+            with self._conn() as conn:
+                return fn(conn)
+
+    def _migrate(self) -> None:
+        def migrate(conn: psycopg.Connection) -> None:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))
+                conn.execute("CREATE TABLE IF NOT EXISTS gptoss_schema (version INTEGER NOT NULL)")
+                row = conn.execute("SELECT version FROM gptoss_schema").fetchone()
+                version = row[0] if row else 0
+                if version > SCHEMA_VERSION:
+                    raise SchemaTooNew(version, self.location)
+                for statements in MIGRATIONS[version:]:
+                    for sql in statements:
+                        conn.execute(sql)
+                if row is None:
+                    conn.execute("INSERT INTO gptoss_schema VALUES (%s)", (SCHEMA_VERSION,))
+                else:
+                    conn.execute("UPDATE gptoss_schema SET version = %s", (SCHEMA_VERSION,))
+
+        self._run(migrate)
+
+    def schema_version(self) -> int:
+        row = self._run(lambda c: c.execute("SELECT version FROM gptoss_schema").fetchone())
+        return int(row[0]) if row else 0
+
+    def put(self, response: dict, history: str, calls: dict[str, str]) -> None:
+        sql = (
+            "INSERT INTO gptoss_responses (id, created_at, response, history, calls) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+            "created_at = EXCLUDED.created_at, response = EXCLUDED.response, "
+            "history = EXCLUDED.history, calls = EXCLUDED.calls"
+        )
+        row = as_row(response, history, calls)
+        self._run(lambda c: c.execute(sql, row))
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        sql = "SELECT response, history, calls FROM gptoss_responses WHERE id = %s"
+        row: Any = self._run(lambda c: c.execute(sql, (response_id,)).fetchone())
+        return from_row(row)
+
+    def delete(self, response_id: str) -> bool:
+        cur = self._run(lambda c: c.execute("DELETE FROM gptoss_responses WHERE id = %s", (response_id,)))
+        return cur.rowcount > 0
+
+    def close(self) -> None:
+        self._closed = True
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
