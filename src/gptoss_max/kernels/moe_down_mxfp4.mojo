@@ -4,6 +4,7 @@ from layout import coord_to_index_list
 from max.gpu.host import DeviceContext
 from std.utils.coord import Coord
 
+from .moe_gpu import CHUNK_TOKENS, launch_down, n_counters
 from .mxfp4 import MXFP4_BLOCK, mxfp4_row_dot
 
 
@@ -19,6 +20,12 @@ struct MoeDownMxfp4:
       blocks       [E, H, I/2]  u8
       scales       [E, H, I/32] u8
       bias         [E, H]  f32
+      counters     [ceil(H / 8)] u32   from gptoss_moe_gate_up_mxfp4 (zeroed)
+      partial      [T, K, H] f32        scratch output of the GPU path
+                                        (per-pair products before the sum)
+
+    GPU: moe_gpu.mojo, in chunks of CHUNK_TOKENS tokens. CPU: one output
+    element per task, below (partial and counters unused).
     """
 
     @staticmethod
@@ -26,12 +33,14 @@ struct MoeDownMxfp4:
         target: StaticString,
     ](
         output: OutputTensor[rank=2, ...],
+        partial: OutputTensor[dtype=DType.float32, rank=3, ...],
         h: InputTensor[dtype=DType.float32, rank=3, ...],
         topk_ids: InputTensor[dtype=DType.int32, rank=2, ...],
         topk_weights: InputTensor[dtype=DType.float32, rank=2, ...],
         blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
         scales: InputTensor[dtype=DType.uint8, rank=3, ...],
         bias: InputTensor[dtype=DType.float32, rank=2, ...],
+        counters: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         var hp = h.unsafe_ptr()
@@ -44,6 +53,36 @@ struct MoeDownMxfp4:
         var hidden = blocks.dim_size[1]()
         var inter = h.dim_size[2]()
         var top_k = topk_ids.dim_size[1]()
+        if counters.dim_size[0]() != n_counters(hidden):
+            raise Error("gptoss_moe_down_mxfp4: counters must be ceil(H / 8) long")
+
+        comptime if target == "gpu":
+            var tokens = output.dim_size[0]()
+            var t0 = 0
+            # The counters are written here although they arrive as an input:
+            # they are this op pair's private scratch (see the gate_up op).
+            var cnt = counters.unsafe_ptr().unsafe_mut_cast[True]()
+            while t0 < tokens:
+                var tc = min(CHUNK_TOKENS, tokens - t0)
+                launch_down[output.dtype](
+                    ctx,
+                    output.unsafe_ptr().unsafe_offset(t0 * hidden),
+                    partial.unsafe_ptr().unsafe_offset(t0 * top_k * hidden),
+                    cnt,
+                    hp.unsafe_offset(t0 * top_k * inter),
+                    ids.unsafe_offset(t0 * top_k),
+                    wp.unsafe_offset(t0 * top_k),
+                    bp,
+                    sp,
+                    biasp,
+                    tc,
+                    top_k,
+                    n_experts,
+                    hidden,
+                    inter,
+                )
+                t0 += tc
+            return
 
         def out_elem[
             width: Int

@@ -5,6 +5,7 @@ from max.gpu.host import DeviceContext
 from std.utils.coord import Coord
 
 from .moe_common import gptoss_swiglu
+from .moe_gpu import CHUNK_TOKENS, launch_gate_up, n_counters
 from .mxfp4 import MXFP4_BLOCK, mxfp4_row_dot
 
 
@@ -19,6 +20,12 @@ struct MoeGateUpMxfp4:
       blocks   [E, 2I, H/2]  u8   rows interleaved: gate = 2i, up = 2i + 1
       scales   [E, 2I, H/32] u8
       bias     [E, 2I]   f32
+      counters [ceil(H / 8)] u32   zeroed here for gptoss_moe_down_mxfp4
+                                    of the same step (GPU path's tile
+                                    counters; the CPU path just zeroes it)
+
+    GPU: moe_gpu.mojo (routed experts only, tensor cores), in chunks of
+    CHUNK_TOKENS tokens. CPU: one element per task, below.
     """
 
     @staticmethod
@@ -26,6 +33,7 @@ struct MoeGateUpMxfp4:
         target: StaticString,
     ](
         output: OutputTensor[dtype=DType.float32, rank=3, ...],
+        counters: OutputTensor[dtype=DType.uint32, rank=1, ...],
         x: InputTensor[rank=2, ...],
         topk_ids: InputTensor[dtype=DType.int32, rank=2, ...],
         blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
@@ -42,6 +50,38 @@ struct MoeGateUpMxfp4:
         var rows = blocks.dim_size[1]()
         var hidden = x.dim_size[1]()
         var top_k = topk_ids.dim_size[1]()
+        var n_count = counters.dim_size[0]()
+        if n_count != n_counters(hidden):
+            raise Error("gptoss_moe_gate_up_mxfp4: counters must be ceil(H / 8) long")
+
+        comptime if target == "gpu":
+            var tokens = x.dim_size[0]()
+            var step = CHUNK_TOKENS
+            var t0 = 0
+            while t0 < tokens:
+                var tc = min(step, tokens - t0)
+                launch_gate_up[x.dtype](
+                    ctx,
+                    output.unsafe_ptr().unsafe_offset(t0 * top_k * (rows // 2)),
+                    counters.unsafe_ptr(),
+                    n_count,
+                    xp.unsafe_offset(t0 * hidden),
+                    ids.unsafe_offset(t0 * top_k),
+                    bp,
+                    sp,
+                    biasp,
+                    tc,
+                    top_k,
+                    n_experts,
+                    rows,
+                    hidden,
+                )
+                t0 += tc
+            return
+
+        var cp = counters.unsafe_ptr()
+        for i in range(n_count):
+            cp[unsafe_offset=i] = 0
 
         def h_elem[
             width: Int

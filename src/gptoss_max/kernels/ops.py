@@ -59,18 +59,35 @@ def _run_moe(
 ) -> TensorValue:
     _load_kernels()
     tokens, top_k = topk_ids.shape
-    h = ops.custom(
-        f"gptoss_moe_gate_up_{kind}",
+    h_type = TensorType(DType.float32, [tokens, top_k, intermediate], x.device)
+    out_type = TensorType(x.dtype, x.shape, x.device)
+    if kind != "mxfp4":
+        h = ops.custom(f"gptoss_moe_gate_up_{kind}", x.device, [x, topk_ids, *gate_up], [h_type])[0].tensor
+        return ops.custom(
+            f"gptoss_moe_down_{kind}", x.device, [h, topk_ids, topk_weights, *down], [out_type]
+        )[0].tensor
+    # The MXFP4 pair also passes tile counters (zeroed by gate_up) and a
+    # per-(token, k) scratch for the GPU path's combine; see moe_gpu.mojo.
+    hidden = x.shape[1]
+    counters_type = TensorType(DType.uint32, [counter_count(hidden)], x.device)
+    h, counters = ops.custom(
+        "gptoss_moe_gate_up_mxfp4", x.device, [x, topk_ids, *gate_up], [h_type, counters_type]
+    )
+    out, _partial = ops.custom(
+        "gptoss_moe_down_mxfp4",
         x.device,
-        [x, topk_ids, *gate_up],
-        [TensorType(DType.float32, [tokens, top_k, intermediate], x.device)],
-    )[0].tensor
-    return ops.custom(
-        f"gptoss_moe_down_{kind}",
-        x.device,
-        [h, topk_ids, topk_weights, *down],
-        [TensorType(x.dtype, x.shape, x.device)],
-    )[0].tensor
+        [h, topk_ids, topk_weights, *down, counters],
+        [out_type, TensorType(DType.float32, [tokens, top_k, hidden], x.device)],
+    )
+    return out.tensor
+
+
+# moe_gpu.mojo's COUNTER_TILE_ROWS: one counter per 8 output rows of down.
+COUNTER_TILE_ROWS = 8
+
+
+def counter_count(hidden: Dim) -> Dim:
+    return (hidden + (COUNTER_TILE_ROWS - 1)) // COUNTER_TILE_ROWS
 
 
 def moe_mxfp4(

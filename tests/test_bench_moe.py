@@ -1,0 +1,71 @@
+"""bench/moe.py's GPU-side pieces that can be checked on a CPU: its float64
+torch reference and MXFP4 decode against the package's NumPy ones (two
+independent implementations), and the byte count the roofline uses."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gptoss_max import mxfp4
+from gptoss_max.kernels import reference
+
+torch = pytest.importorskip("torch")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_moe"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load()
+
+
+def test_decode_matches_package_decoder_on_every_code_and_scale(bench):
+    # scales up to 252: above, the package's float32 decoder overflows to inf
+    n = 253
+    codes = np.arange(256, dtype=np.uint8)
+    blocks = np.tile(codes, (n, 1)).reshape(n, 16, 16)  # 16 blocks of 16 bytes per row
+    scales = np.tile(np.arange(n, dtype=np.uint8)[:, None], (1, 16))
+    want = mxfp4.decode(blocks, scales).astype(np.float64)
+    got = bench.decode_mxfp4(torch, torch.from_numpy(blocks.reshape(n, 256)), torch.from_numpy(scales))
+    np.testing.assert_array_equal(got.numpy(), want.reshape(n, 512))
+
+
+def test_reference_matches_numpy_reference(bench):
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter, tokens = 6, 64, 96, 9
+    s = bench.make_set(torch, experts, hidden, inter, gen, "cpu")
+    ids, w = bench.routing(torch, tokens, experts, gen, "cpu")
+    ids[2, 1] = -1  # a dropped slot contributes nothing in both
+    x = torch.randn(tokens, hidden, generator=gen)
+    got = bench.reference(torch, x, ids, w, s)
+    want = reference.moe_mxfp4(
+        x.numpy(), ids.numpy(), w.numpy(),
+        s.gu_blocks.numpy(), s.gu_scales.numpy(), s.gu_bias.numpy(),
+        s.dn_blocks.numpy(), s.dn_scales.numpy(), s.dn_bias.numpy(),
+    )  # fmt: skip
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-9 * np.abs(want).max())
+
+
+def test_routing_picks_distinct_experts(bench):
+    ids, w = bench.routing(torch, 64, 32, torch.Generator().manual_seed(0), "cpu")
+    assert all(len(set(row.tolist())) == bench.TOP_K for row in ids)
+    torch.testing.assert_close(w.sum(1), torch.ones(64))
+
+
+def test_expert_bytes_is_the_mxfp4_expert_size(bench):
+    # gate_up 5760 x 2880 and down 2880 x 2880 at 4.25 bits, plus f32 biases
+    assert bench.expert_bytes() == (5760 * 2880 + 2880 * 2880) * 17 // 32 + 4 * (5760 + 2880)
