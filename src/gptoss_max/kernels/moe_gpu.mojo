@@ -290,19 +290,25 @@ def gate_up_kernel[
 ](
     h: Pointer[Float32, MutAnyOrigin],
     counters: Pointer[UInt32, MutAnyOrigin],
-    n_counters: Int,
+    n_counters_: Int64,
     x: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
-    n_pairs: Int,
-    top_k: Int,
-    n_experts: Int,
-    rows: Int,
-    hidden: Int,
+    n_pairs_: Int64,
+    top_k_: Int64,
+    n_experts_: Int64,
+    rows_: Int64,
+    hidden_: Int64,
 ):
     """rows = 2I (gate/up interleaved), h [pairs, I] f32."""
+    var n_counters = Int(n_counters_)
+    var n_pairs = Int(n_pairs_)
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var rows = Int(rows_)
+    var hidden = Int(hidden_)
     comptime split = x_dtype != DType.bfloat16
     comptime threads = warps * 32
     var flags = stack_allocation[MAX_EXPERTS, UInt32, address_space=AddressSpace.SHARED]()
@@ -360,14 +366,19 @@ def down_kernel[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
-    n_pairs: Int,
-    top_k: Int,
-    n_experts: Int,
-    hidden: Int,
-    inter: Int,
+    n_pairs_: Int64,
+    top_k_: Int64,
+    n_experts_: Int64,
+    hidden_: Int64,
+    inter_: Int64,
 ):
     """output [T, H], partial [pairs, H] f32 scratch, h [pairs, I] f32;
     counters: one per tile of warps * 8 rows."""
+    var n_pairs = Int(n_pairs_)
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var hidden = Int(hidden_)
+    var inter = Int(inter_)
     comptime threads = warps * 32
     comptime tile_rows = warps * 8
     comptime split = out_dtype != DType.bfloat16
@@ -475,8 +486,8 @@ def _launch_gate_up[
     var smem = _smem_bytes(hidden // 32, tokens, x_dtype != DType.bfloat16)
     var n_pairs = tokens * top_k
     ctx.enqueue_function[gate_up_kernel[x_dtype, warps]](
-        h, counters, n_count, x, ids, blocks, scales, bias,
-        n_pairs, top_k, n_experts, rows, hidden,
+        h, counters, Int64(n_count), x, ids, blocks, scales, bias,
+        Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
         block_dim=warps * 32,
         shared_mem_bytes=smem,
@@ -540,7 +551,7 @@ def _launch_down[
     var n_pairs = tokens * top_k
     ctx.enqueue_function[down_kernel[out_dtype, warps]](
         output, partial, counters, h, ids, wts, blocks, scales, bias,
-        n_pairs, top_k, n_experts, hidden, inter,
+        Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
         grid_dim=((hidden + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
         block_dim=warps * 32,
         shared_mem_bytes=smem,
