@@ -129,23 +129,33 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def save_safetensors(path: Path, tensors: Mapping[str, tuple[np.ndarray, str]]) -> None:
-    """Write `name -> (array, dtype)`; BF16 arrays are given as float32 and rounded here."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    blobs, offset = [], 0
-    for name, (arr, dtype) in tensors.items():
-        data = to_bf16_bits(arr) if dtype == BF16 else np.ascontiguousarray(arr)
-        raw = data.tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
+def safetensors_header(
+    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, int]:
+    """The bytes before the data of a safetensors file holding `(name, dtype, shape, nbytes)` in
+    order (length prefix + JSON header padded to 8), and the data's total size."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head, offset
+
+
+def save_safetensors(path: Path, tensors: Mapping[str, tuple[np.ndarray, str]]) -> None:
+    """Write `name -> (array, dtype)`; BF16 arrays are given as float32 and rounded here."""
+    blobs = {
+        name: (to_bf16_bits(arr) if dtype == BF16 else np.ascontiguousarray(arr))
+        for name, (arr, dtype) in tensors.items()
+    }
+    entries = [(name, dtype, arr.shape, blobs[name].nbytes) for name, (arr, dtype) in tensors.items()]
+    head, _ = safetensors_header(entries)
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(head)))
         fh.write(head)
-        for raw in blobs:
-            fh.write(raw)
+        for raw in blobs.values():
+            fh.write(raw.tobytes())
 
 
 _NP_DTYPES = {BF16: np.uint16, U8: np.uint8, F32: np.float32}

@@ -1,4 +1,7 @@
-"""`gptoss-max`: make-tiny, generate, serve."""
+"""`gptoss-max`: make-tiny, make-checkpoint, generate, serve, bench.
+
+Every `--model` also takes `synthetic:<tiny|20b|120b>[,seed=N][,experts=mxfp4|bf16][,layers=N]`:
+the real config with random weights made in memory (no weight files)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,16 @@ from gptoss_max import settings
 DEFAULT_GPU_MODEL = "openai/gpt-oss-20b"
 
 
+MODEL_HELP = "local dir, HF id, synthetic:<tiny|20b|120b>[,seed=N][,experts=mxfp4|bf16][,layers=N], or auto"
+
+
 def resolve_model(model: str, on_gpu: bool) -> str:
-    """`auto`: the 20b on a GPU; without one, a tiny random model built once under the data dir."""
+    """`auto`: the 20b on a GPU; without one, a tiny random model built once under the data dir.
+    `synthetic:...`: its directory (config, tokenizer, header-only stub), made once."""
+    if model.startswith("synthetic:"):
+        from gptoss_max.synthetic import resolve
+
+        return resolve(model)
     if model != "auto":
         return model
     if on_gpu:
@@ -39,6 +50,27 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     out = make_tiny(Path(args.dir), args.experts, args.seed)
     print(f"wrote a tiny gpt-oss checkpoint ({args.experts} experts, seed {args.seed}) to {out}")
     return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from gptoss_max.synthetic import SyntheticModel, write_checkpoint
+
+    model = SyntheticModel.parse(args.config)
+    if args.seed is not None or args.experts or args.layers:
+        model = SyntheticModel(model.preset, args.seed if args.seed is not None else model.seed,
+                               args.experts or model.experts, args.layers or model.layers)  # fmt: skip
+    t0 = time.perf_counter()
+    out = write_checkpoint(Path(args.dir), model.spec, model.seed, model.mxfp4_experts,
+                           shard_bytes=int(args.shard_gb * 1e9), threads=args.threads, progress=True)  # fmt: skip
+    size = model.weights_bytes()
+    print(f"wrote {model.name} ({size / 1e9:.2f} GB of weights) to {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gptoss_max.e2e import run
+
+    return run(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -87,14 +119,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny)
 
+    p = sub.add_parser(
+        "make-checkpoint",
+        help="write a synthetic gpt-oss checkpoint (HF layout, sharded safetensors) of a preset's real size",
+    )
+    p.add_argument("dir")
+    p.add_argument("--config", default="20b", help="tiny | 20b | 120b, or synthetic:<preset>[,seed=N][,...]")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--experts", choices=["mxfp4", "bf16"], default=None, help="default mxfp4")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="safetensors shard size")
+    p.add_argument("--threads", type=int, default=None, help="generator threads (default: all cores)")
+    p.set_defaults(func=cmd_make_checkpoint)
+
     p = sub.add_parser("generate", help="render a Harmony prompt, generate, print the parsed channels")
-    p.add_argument("--model", default="auto", help="local dir, HF id, or auto")
+    p.add_argument("--model", default="auto", help=MODEL_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default="medium")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     p.set_defaults(func=cmd_generate)
+
+    from gptoss_max.e2e import add_arguments
+
+    p = add_arguments(
+        sub.add_parser(
+            "bench",
+            help="end-to-end decode tok/s, TTFT, TPOT, peak memory: ours, MAX's stock gpt_oss, roofline",
+            description="See `python -m gptoss_max.e2e --help` for how each figure is measured.",
+        )
+    )
+    p.set_defaults(func=cmd_bench)
 
     try:
         from gptoss_max.server.cli import add_serve_parser

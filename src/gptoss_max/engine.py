@@ -33,6 +33,9 @@ class EngineOptions:
     max_batch_size: int = 8
     kv_memory_fraction: float | None = None
     encoding: str | None = None  # float32 on CPU and bfloat16 on GPU unless given
+    graph_capture: bool = False  # decode steps replay captured device graphs (GPU only; MAX's overlap pipeline)
+    max_batch_input_tokens: int | None = None  # prompt tokens one step may take (MAX's default: 8192)
+    arch_module: str = ARCH_MODULE  # the custom architecture module MAX registers (e2e: gptoss_max.stock)
 
     @property
     def on_gpu(self) -> bool:
@@ -40,22 +43,32 @@ class EngineOptions:
 
 
 def pipeline_args(opts: EngineOptions) -> Any:
-    """MAX PipelineArgs: our architecture, float32 on CPU (bf16 on GPU), a bounded KV cache."""
+    """MAX PipelineArgs: our architecture, float32 on CPU (bf16 on GPU), a bounded KV cache.
+
+    A `synthetic:<preset>` model is materialized first (config + tokenizer + a header-only stub);
+    the architecture generates its weights in memory."""
     from max.driver import DeviceSpec
 
+    from gptoss_max.synthetic import resolve
+
     gpu = opts.on_gpu
+    if opts.graph_capture and not gpu:
+        raise ValueError("device graph capture needs a GPU (MAX's overlap pipeline refuses CPU models)")
     fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)
+    runtime: dict[str, Any] = {
+        "custom_architectures": [opts.arch_module],
+        "max_batch_size": opts.max_batch_size,
+        "device_graph_capture": opts.graph_capture,
+    }
+    if opts.max_batch_input_tokens:
+        runtime["max_batch_input_tokens"] = opts.max_batch_input_tokens
     return maxapi.PipelineArgs(
-        model_path=opts.model,
+        model_path=resolve(opts.model),
         quantization_encoding=opts.encoding or ("bfloat16" if gpu else "float32"),
         device_specs=[DeviceSpec.accelerator(0) if gpu else DeviceSpec.cpu()],
         max_length=opts.max_length,
         kv_cache=maxapi.KVCacheConfig(device_memory_utilization=fraction),
-        runtime=maxapi.PipelineRuntimeConfig(
-            custom_architectures=[ARCH_MODULE],
-            max_batch_size=opts.max_batch_size,
-            device_graph_capture=False,
-        ),
+        runtime=maxapi.PipelineRuntimeConfig(**runtime),
     )
 
 
@@ -68,8 +81,14 @@ class Engine:
         self.config = maxapi.PipelineConfig.from_args(pipeline_args(opts))
         retrieved = maxapi.PIPELINE_REGISTRY.retrieve_factory(self.config)
         self.tokenizer = retrieved.tokenizer
+        self.memory_plan = retrieved.memory_plan
         self.pipeline = retrieved.factory()
         self.load_seconds = time.perf_counter() - t0
+        self.capture_seconds = 0.0
+        if opts.graph_capture:
+            t0 = time.perf_counter()
+            self.pipeline.warmup_graph_capture()  # captures decode graphs per batch size / cache length
+            self.capture_seconds = time.perf_counter() - t0
 
     def generate(
         self,

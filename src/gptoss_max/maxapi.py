@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 
+# P2P signal buffers, which MAX reserves for gpt_oss even on one GPU (memory.py's plan).
+from max.nn.comm import Signals
+
 # gpt_oss architecture pieces we reuse (attention with sinks, YaRN RoPE, norms, KV params),
-# and what builds and drives a pipeline (engine.py, fidelity.py).
+# and what builds and drives a pipeline (engine.py, fidelity.py, e2e.py: one step over a batch).
 from max.pipelines import PIPELINE_REGISTRY
 from max.pipelines.architectures.gpt_oss import gpt_oss as stock_gpt_oss_module
 from max.pipelines.architectures.gpt_oss.arch import gpt_oss_arch as stock_gpt_oss_arch
@@ -28,7 +31,7 @@ from max.pipelines.lib.generate import GenerateIterator
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
 from max.pipelines.modeling import config_enums
-from max.pipelines.modeling.types import RequestID, TextGenerationRequest
+from max.pipelines.modeling.types import RequestID, TextGenerationInputs, TextGenerationRequest
 
 # MAX's native library setenv()s PYTHONEXECUTABLE to the `python3` on PATH, so every child
 # process (MAX's own model worker included) would start outside this virtualenv. Undo it.
@@ -42,7 +45,9 @@ __all__ = [
     "PipelineRuntimeConfig",
     "RequestID",
     "SamplingParams",
+    "TextGenerationInputs",
     "TextGenerationRequest",
+    "Signals",
     "GptOssAttention",
     "GptOssConfig",
     "GptOssMemoryPlanner",

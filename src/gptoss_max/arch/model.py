@@ -8,14 +8,15 @@ from typing import Any, ClassVar
 from max.dtype import DType
 from max.graph import DeviceRef
 
-from gptoss_max import maxapi, settings
+from gptoss_max import maxapi, memory, settings
 from gptoss_max.arch import cpu_shims
 from gptoss_max.arch.attention import use_sink_attention
 from gptoss_max.arch.moe import NativeMoE
 from gptoss_max.arch.rope import use_gptoss_rope
-from gptoss_max.arch.weights import adapt_state_dict
+from gptoss_max.arch.weights import SyntheticWeights, adapt_state_dict
 from gptoss_max.config import ModelSpec
 from gptoss_max.kernels import kernels_path
+from gptoss_max.synthetic import SyntheticModel
 
 
 def on_cpu(devices: list[DeviceRef]) -> bool:
@@ -61,10 +62,14 @@ class NativeGptOssModel(maxapi.GptOssModel):
     model_config_cls: ClassVar[type[Any]] = NativeGptOssConfig
 
     def _load_state_dict(self) -> dict[str, Any]:
-        spec = ModelSpec.from_hf(self.huggingface_config.to_dict())
+        cfg = self.huggingface_config.to_dict()
+        spec = ModelSpec.from_hf(cfg)
         encoding = self.pipeline_config.model.quantization_encoding or "bfloat16"
         dtype = DType.float32 if encoding == "float32" else DType.bfloat16
-        self._language_weights_dict = adapt_state_dict(dict(self.weights.items()), spec, dtype)
+        synthetic = SyntheticModel.from_hf_config(cfg)
+        # A synthetic model's directory holds a header-only stub: its weights are made here instead.
+        weights = SyntheticWeights.generate(synthetic) if synthetic else self.weights
+        self._language_weights_dict = adapt_state_dict(dict(weights.items()), spec, dtype)
         return self._language_weights_dict
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> NativeGptOssConfig:
@@ -91,9 +96,21 @@ class NativeGptOssModel(maxapi.GptOssModel):
         }
 
 
+def _on_cpu(pipeline_config: Any) -> bool:
+    return all(spec.device_type == "cpu" for spec in pipeline_config.model.device_specs)
+
+
 class NativeMemoryPlanner(maxapi.GptOssMemoryPlanner):
-    """No BF16 dequant buffer: experts stay MXFP4. Reserve only a workspace for activations."""
+    """No BF16 dequant buffer: experts stay MXFP4. Reserve only a workspace for activations.
+
+    Weights are counted as the device holds them (memory.weight_bytes), not as files: a float32
+    graph doubles bf16 files, and a synthetic model's stub file holds no data."""
+
+    def estimate_weights_size(self, pipeline_config: Any) -> int:
+        cfg = pipeline_config.model.huggingface_config.to_dict()
+        mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+        dense = memory.dtype_bytes(pipeline_config.model.quantization_encoding)
+        return sum(memory.weight_bytes(ModelSpec.from_hf(cfg), mxfp4, dense).values())
 
     def estimate_activation_memory(self, pipeline_config: Any, huggingface_config: Any) -> int:
-        cpu = all(spec.device_type == "cpu" for spec in pipeline_config.model.device_specs)
-        return (128 if cpu else 2048) * 1024**2
+        return memory.ACTIVATION_RESERVE["cpu" if _on_cpu(pipeline_config) else "gpu"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+from max.driver import Buffer
 from max.dtype import DType
+from max.graph.type import Shape
 from max.graph.weights import WeightData
 
 from gptoss_max.checkpoint import BF16, F32, U8, validate
@@ -73,3 +75,46 @@ def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) 
     validate(spec, {name: _describe(d) for name, d in datas.items()})
     converted = (_convert(_rename(name), d, dtype) for name, d in datas.items())
     return {w.name: w for w in converted}
+
+
+class _Generated:
+    def __init__(self, owner: SyntheticWeights, name: str):
+        self._owner, self.name = owner, name
+
+    def data(self) -> WeightData:
+        return self._owner.take(self.name)
+
+    def exists(self) -> bool:
+        return self.name in self._owner.names
+
+
+class SyntheticWeights:
+    """MAX's `Weights` protocol, the part pipelines use (`items()`, then `data()` per tensor), over
+    a synthetic model's arrays generated in memory. Each array is handed over once and forgotten,
+    so only the module that loads it keeps it alive."""
+
+    def __init__(self, arrays: dict[str, tuple[np.ndarray, str]]):
+        self._arrays = arrays
+        self.names = frozenset(arrays)
+
+    @classmethod
+    def generate(cls, model: Any) -> SyntheticWeights:
+        """`model`: a `synthetic.SyntheticModel`."""
+        return cls(model.arrays())
+
+    @property
+    def name(self) -> str:
+        return ""
+
+    def items(self) -> Iterator[tuple[str, _Generated]]:
+        for name in sorted(self.names):
+            yield name, _Generated(self, name)
+
+    def take(self, name: str) -> WeightData:
+        if name not in self._arrays:
+            raise KeyError(f"synthetic weight {name} was already handed over (or never existed)")
+        arr, dtype = self._arrays.pop(name)
+        buf = Buffer.from_numpy(arr)
+        if dtype == BF16:
+            buf = buf.view(DType.bfloat16)
+        return WeightData(buf, name, buf.dtype, Shape(arr.shape))

@@ -1,0 +1,710 @@
+"""`gptoss-max bench` (also `bench/e2e.py`): end-to-end decode throughput of our pipeline, MAX's
+stock gpt_oss pipeline on the same checkpoint, and the bytes-per-token roofline.
+
+For each batch size: `batch` prompts of `--prompt-len` random tokens, `--output-len` tokens each,
+EOS ignored, greedy. Prompts are prefilled in waves of at most `--max-batch-input-tokens`
+tokens (as MAX's scheduler chunks them), then every row decodes together:
+
+- TTFT: mean time from the start to each row's first token (batch 1: the prompt's TTFT);
+- decode tok/s (`ours_tok_s`): tokens generated after every row has its first token, over that
+  time; TPOT: that time over `output-len - 1` steps;
+- peak GPU memory (nvidia-smi, else MAX's device stats) while the batch runs;
+- roofline: batch / (bytes one decode step reads, memory.decode_step_bytes) x the device's
+  measured copy bandwidth.
+
+Each pipeline runs in its own process (`--worker-out`, internal) so one's device memory is gone
+before the next loads, and so MAX's stock pipeline, which does not compile on Hopper (docs/GPU.md),
+can fail or hang under a timeout: its row then says `max_stock_tok_s: null` and why. Results go
+to `<out>/e2e_<gpu>_<yyyymmdd>.json`, rewritten after every pipeline so a run cut short keeps what
+it measured; `--merge` folds earlier result files in (rows of the same model, batch and graph
+capture are replaced by this run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptoss_max import memory
+from gptoss_max.config import ModelSpec
+from gptoss_max.synthetic import SyntheticModel
+
+ROW_FIELDS = (
+    "model",
+    "batch",
+    "ours_tok_s",
+    "max_stock_tok_s",
+    "roofline_tok_s",
+    "ttft_ms",
+    "tpot_ms",
+    "graph_capture",
+)
+STOCK_ENCODINGS = {"mxfp4": "float4_e2m1fnx2", "bf16": "bfloat16"}
+DEFAULT_GPU_FREE_GIB = 79.0  # what an idle 80 GB H100 reports free
+
+
+# ---------------------------------------------------------------------------------------------
+# The device
+
+
+def gpu_name() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def device_slug(name: str | None) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `h100`; no GPU -> `cpu`."""
+    if not name:
+        return "cpu"
+    known = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.replace("NVIDIA", ""))
+    return (known.group(1) if known else re.sub(r"[^A-Za-z0-9]+", "-", name)).lower()
+
+
+class PeakMemory:
+    """Peak device memory in use while it runs: nvidia-smi every 0.2 s, else MAX's device stats."""
+
+    def __init__(self, gpu: bool):
+        self.gpu, self.peak, self.source = gpu, None, None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _used(self) -> int | None:
+        if shutil.which("nvidia-smi"):
+            self.source = "nvidia-smi"
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True,
+                text=True,
+            )
+            if out.returncode == 0 and out.stdout.strip():
+                return int(float(out.stdout.strip()) * 2**20)
+        from max.driver import Accelerator
+
+        self.source = "max device stats"
+        stats = Accelerator(0).stats
+        return int(stats["total_memory"] - stats["free_memory"])
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            used = self._used()
+            if used is not None:
+                self.peak = max(self.peak or 0, used)
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> PeakMemory:
+        if self.gpu:
+            self.peak = None
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread:
+            self._stop.set()
+            self._thread.join()
+
+
+def measure_bandwidth(gpu: bool, nbytes: int = 1 << 30, iters: int = 20) -> dict[str, Any]:
+    """Device-to-device copy bandwidth (bytes read + written per second): torch if importable,
+    else MAX buffers; on a CPU, a NumPy copy."""
+    if not gpu:
+        a = np.ones(nbytes // 4, dtype=np.uint8)
+        b = np.empty_like(a)
+        np.copyto(b, a)
+        t0 = time.perf_counter()
+        for _ in range(iters // 4):
+            np.copyto(b, a)
+        return {"bytes_per_s": 2 * a.nbytes * (iters // 4) / (time.perf_counter() - t0), "method": "numpy copy"}
+    try:
+        import torch
+
+        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        return {"bytes_per_s": 2 * nbytes * iters / (start.elapsed_time(end) / 1e3), "method": "torch cuda copy_"}
+    except ImportError:
+        from max.driver import Accelerator, Buffer
+        from max.dtype import DType
+
+        dev = Accelerator(0)
+        src, dst = Buffer(DType.uint8, [nbytes], device=dev), Buffer(DType.uint8, [nbytes], device=dev)
+        dst.inplace_copy_from(src)
+        dev.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.inplace_copy_from(src)
+        dev.synchronize()
+        return {"bytes_per_s": 2 * nbytes * iters / (time.perf_counter() - t0), "method": "max Buffer copy"}
+
+
+# ---------------------------------------------------------------------------------------------
+# One batch through a pipeline
+
+
+def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
+    """Random ordinary tokens (no Harmony specials, which start at 199998)."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, 199_990, size=length)] for _ in range(batch)]
+
+
+def waves(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices grouped so each group's prompt tokens fit `budget` (one row at least)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for row, n in enumerate(lengths):
+        if groups[-1] and total + n > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(row)
+        total += n
+    return groups
+
+
+def run_batch(engine: Any, batch_prompts: list[list[int]], output_len: int, budget: int) -> dict[str, Any]:
+    """Prefill in waves, then decode every row together; times of each row's first and last token.
+
+    Drives the pipeline one `execute` at a time as MAX's GenerateIterator.step does, which cannot
+    split a batch's prefill."""
+    from gptoss_max import maxapi
+
+    pipeline = engine.pipeline
+    kv = pipeline.kv_manager
+    params = maxapi.SamplingParams(top_k=1, max_new_tokens=output_len, ignore_eos=True, detokenize=False)
+    contexts = []
+    for p in batch_prompts:
+        request = maxapi.TextGenerationRequest(
+            request_id=maxapi.RequestID(), prompt=list(p), model_name="model", sampling_params=params
+        )
+        contexts.append(asyncio.run(engine.tokenizer.new_context(request)))
+    index = {c.request_id: row for row, c in enumerate(contexts)}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    count = [0] * len(contexts)
+    live: dict[int, Any] = {}
+
+    def release(row: int) -> None:
+        c = live.pop(row)
+        if kv.contains(c):
+            kv.release(c)
+        pipeline.release(c.request_id)
+
+    def step(rows: list[int]) -> None:
+        batch = []
+        for row in rows:
+            kv.alloc(live[row]).synchronize()
+            batch.append(live[row])
+        outputs = pipeline.execute(maxapi.TextGenerationInputs(batches=[batch]))
+        now = time.perf_counter()
+        for rid, out in outputs.items():
+            row = index.get(rid)
+            if row is None or row not in live:
+                continue
+            n = len(out.tokens)
+            if n:
+                first.setdefault(row, now)
+                last[row] = now
+                count[row] += n
+            if out.is_done:
+                release(row)
+
+    try:
+        for row, c in enumerate(contexts):
+            kv.claim(c, replica_idx=0)
+            live[row] = c
+        t0 = time.perf_counter()
+        for group in waves([len(p) for p in batch_prompts], budget):
+            step([r for r in group if r in live])
+        while live:
+            step(list(live))
+        t_end = time.perf_counter()
+    finally:
+        for row in list(live):
+            release(row)
+    rows = len(contexts)
+    decode_start = max(first.values())  # every row has its first token: decode steps follow
+    decode_s = t_end - decode_start
+    return {
+        "batch": rows,
+        "tokens": sum(count),
+        "tokens_per_row_min": min(count),
+        "ttft_ms": 1e3 * float(np.mean([first[r] - t0 for r in range(rows)])),
+        "ttft_ms_max": 1e3 * (decode_start - t0),
+        "tpot_ms": 1e3 * decode_s / max(1, output_len - 1),
+        "decode_tok_s": (sum(count) - rows) / decode_s if decode_s > 0 else None,
+        "e2e_output_tok_s": sum(count) / (t_end - t0),
+        "seconds": t_end - t0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# A worker: one pipeline, every batch size
+
+
+def worker(args: argparse.Namespace) -> int:
+    from gptoss_max.engine import Engine, EngineOptions, uses_gpu
+
+    out = Path(args.worker_out)
+    result: dict[str, Any] = {
+        "arch": args.arch,
+        "encoding": args.encoding,
+        "graph_capture": args.worker_graph_capture,
+        "batches": [],
+    }
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=2))
+
+    if args.arch == "bandwidth":
+        result["bandwidth"] = measure_bandwidth(uses_gpu(args.device))
+        save()
+        return 0
+    gpu = uses_gpu(args.device)
+    opts = EngineOptions(
+        model=args.model,
+        device="gpu" if gpu else "cpu",
+        max_length=args.max_length or args.prompt_len + args.output_len + 16,
+        max_batch_size=max(args.batch),
+        kv_memory_fraction=args.kv_memory_fraction,
+        encoding=args.encoding,
+        graph_capture=args.worker_graph_capture,
+        max_batch_input_tokens=args.max_batch_input_tokens,
+        arch_module="gptoss_max.stock" if args.arch == "stock" else "gptoss_max.arch",
+    )
+    monitor = PeakMemory(gpu)
+    save()
+    with monitor:
+        engine = Engine(opts)
+    plan = engine.memory_plan
+    result.update(
+        load_seconds=round(engine.load_seconds, 1),
+        capture_seconds=round(engine.capture_seconds, 1),
+        peak_memory_load_bytes=monitor.peak,
+        memory_source=monitor.source,
+        memory_plan={
+            "kv_cache_bytes": getattr(plan, "available_cache_memory", None),
+            "footprint_bytes": getattr(plan, "footprint", None),
+            "max_batch_size": getattr(plan, "planned_max_batch_size", None),
+            "max_length": getattr(plan, "planned_max_length", None),
+        },
+        kv_bytes_per_token=_kv_bytes_per_token(engine),
+    )
+    save()
+    budget = args.max_batch_input_tokens or 8192
+    for b in args.batch:
+        if args.warmup_tokens:
+            run_batch(engine, prompts(b, args.prompt_len, 1000 + b), args.warmup_tokens, budget)
+        with monitor:
+            row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
+        row["peak_memory_bytes"] = monitor.peak
+        result["batches"].append(row)
+        print(
+            f"[{args.arch}{' graph-capture' if args.worker_graph_capture else ''}] batch {b}: "
+            f"{row['decode_tok_s']:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms",
+            flush=True,
+        )
+        save()
+    return 0
+
+
+def _kv_bytes_per_token(engine: Any) -> float | None:
+    try:
+        params = engine.pipeline.kv_manager.params
+        return params.bytes_per_block / params.page_size
+    except AttributeError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: workers under timeouts, rows, file, table
+
+
+def _spec_of(model: str) -> tuple[ModelSpec, bool, SyntheticModel | None]:
+    if SyntheticModel.is_spec(model):
+        s = SyntheticModel.parse(model)
+        return s.spec, s.mxfp4_experts, s
+    path = Path(model)
+    if not (path / "config.json").exists():
+        raise SystemExit(f"bench needs a synthetic:<preset> model or a local checkpoint dir, not {model!r}")
+    cfg = json.loads((path / "config.json").read_text())
+    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return ModelSpec.from_hf(cfg), mxfp4, SyntheticModel.from_hf_config(cfg)
+
+
+def _tail_reason(text: str) -> str:
+    """The most telling line of a failed worker's output."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for pattern in (r"^error:", r"Error:", r"constraint failed", r"Exception", r"error"):
+        hits = [ln for ln in lines if re.search(pattern, ln)]
+        if hits:
+            return hits[-1][:400]
+    return (lines[-1] if lines else "no output")[:400]
+
+
+def run_worker(
+    args: argparse.Namespace,
+    arch: str,
+    model: str,
+    encoding: str | None,
+    graph_capture: bool,
+    timeout: float | None,
+    log_dir: Path,
+) -> dict[str, Any]:
+    """One worker process; its result, or `{"error": ...}` (also a partial result when it died)."""
+    tag = f"{arch}{'-' + encoding if encoding else ''}{'-graphs' if graph_capture else ''}"
+    out = log_dir / f"worker_{tag}.json"
+    log = log_dir / f"worker_{tag}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptoss_max.e2e",
+        "--worker-out",
+        str(out),
+        "--arch",
+        arch,
+        "--model",
+        model,
+        "--device",
+        args.device,
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+        "--warmup-tokens",
+        str(args.warmup_tokens),
+        "--batch",
+        *map(str, args.batch),
+    ]
+    for flag, value in [
+        ("--encoding", encoding),
+        ("--max-length", args.max_length),
+        ("--max-batch-input-tokens", args.max_batch_input_tokens),
+        ("--kv-memory-fraction", args.kv_memory_fraction),
+    ]:
+        if value:
+            cmd += [flag, str(value)]
+    if graph_capture:
+        cmd.append("--worker-graph-capture")
+    print(f"--> {tag}: {shlex.join(cmd[1:])}  (log: {log})", flush=True)
+    t0 = time.perf_counter()
+    error = None
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+            if rc != 0:
+                error = f"exit {rc}: {_tail_reason(log.read_text(errors='replace'))}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            error = f"timed out after {timeout:.0f} s; last output: {_tail_reason(log.read_text(errors='replace'))}"
+    result = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
+    result["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    result["log"] = log.name
+    if error:
+        result["error"] = error
+        print(f"<-- {tag} failed: {error}", flush=True)
+    return result
+
+
+def _rows(
+    model: str,
+    spec: ModelSpec,
+    mxfp4: bool,
+    args: argparse.Namespace,
+    bandwidth: float | None,
+    ours: dict[bool, dict[str, Any]],
+    stock: dict[str, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    def by_batch(res: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        return {r["batch"]: r for r in res.get("batches", [])}
+
+    stock_rows = {enc: by_batch(res) for enc, res in stock.items()}
+    stock_errors = {enc: res["error"] for enc, res in stock.items() if res.get("error")}
+    rows = []
+    dense = memory.dtype_bytes(args.encoding or ("bfloat16" if args.gpu else "float32"))
+    for gc, res in ours.items():
+        measured = by_batch(res)
+        for b in args.batch:
+            r = measured.get(b, {})
+            step = memory.decode_step_bytes(spec, mxfp4, b, args.prompt_len + args.output_len / 2, dense, dense)
+            st = {enc: rows_.get(b, {}).get("decode_tok_s") for enc, rows_ in stock_rows.items()}
+            best = st.get("float4_e2m1fnx2") or st.get("bfloat16") or st.get("float32")
+            row = {
+                "model": model,
+                "batch": b,
+                "ours_tok_s": _round(r.get("decode_tok_s")),
+                "max_stock_tok_s": _round(best),
+                "roofline_tok_s": _round(b * bandwidth / step["total"]) if bandwidth else None,
+                "ttft_ms": _round(r.get("ttft_ms")),
+                "tpot_ms": _round(r.get("tpot_ms"), 3),
+                "graph_capture": gc,
+                "peak_gpu_memory_bytes": r.get("peak_memory_bytes"),
+                "e2e_output_tok_s": _round(r.get("e2e_output_tok_s")),
+                "ttft_ms_last_row": _round(r.get("ttft_ms_max")),
+                "bytes_per_decode_step": int(step["total"]),
+                "experts_touched_per_layer": round(step["experts_touched_per_layer"], 2),
+            }
+            for enc, v in st.items():
+                row[f"max_stock_{enc}_tok_s"] = _round(v)
+            if best is None and stock_errors:
+                row["max_stock_error"] = "; ".join(f"{enc}: {e}" for enc, e in stock_errors.items())
+            elif best is None:
+                row["max_stock_error"] = "not run" if not stock else "no measurement for this batch"
+            if res.get("error") and not r:
+                row["ours_error"] = res["error"]
+            rows.append(row)
+    return rows
+
+
+def _round(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    key = lambda r: (r["model"], r["batch"], r["graph_capture"])  # noqa: E731
+    merged = {key(r): r for r in old}
+    merged.update({key(r): r for r in new})
+    return sorted(merged.values(), key=lambda r: (r["model"], r["graph_capture"], r["batch"]))
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    head = (
+        f"{result.get('device', '?')}, {result.get('date', '?')} (prompt {result.get('prompt_len')}, "
+        f"output {result.get('output_len')} tokens, EOS ignored; tok/s = decode output tokens/s)\n\n"
+    )
+    cols = [
+        "model",
+        "batch",
+        "graph capture",
+        "ours tok/s",
+        "MAX stock tok/s",
+        "roofline tok/s",
+        "TTFT ms",
+        "TPOT ms",
+        "peak GPU GB",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in result.get("rows", []):
+        peak = r.get("peak_gpu_memory_bytes")
+        stock = r.get("max_stock_tok_s")
+        cells = [
+            r["model"],
+            r["batch"],
+            "yes" if r["graph_capture"] else "no",
+            r.get("ours_tok_s"),
+            stock if stock is not None else "n/a",
+            r.get("roofline_tok_s"),
+            r.get("ttft_ms"),
+            r.get("tpot_ms"),
+            f"{peak / 1e9:.1f}" if peak else "—",
+        ]
+        lines.append("| " + " | ".join("—" if c is None else str(c) for c in cells) + " |")
+    return head + "\n".join(lines)
+
+
+def print_plans(spec: ModelSpec, mxfp4: bool, args: argparse.Namespace, device_free: int) -> dict[str, Any]:
+    plans = {}
+    encoding = args.encoding or ("bfloat16" if args.gpu else "float32")
+    for b in args.batch:
+        p = memory.plan(
+            spec,
+            mxfp4,
+            device_free=device_free,
+            encoding=encoding,
+            utilization=args.kv_memory_fraction or (0.9 if args.gpu else 0.05),
+            batch=b,
+            max_length=args.max_length or args.prompt_len + args.output_len + 16,
+            gpu=args.gpu,
+        )
+        plans[b] = p.as_dict()
+        if b == args.batch[0]:
+            print(f"memory plan for {args.model} ({encoding}, {'MXFP4' if mxfp4 else 'bf16'} experts):")
+            print("\n".join("  " + ln for ln in p.lines()[:-1]))
+        print("  " + p.lines()[-1])
+    step1 = memory.decode_step_bytes(spec, mxfp4, 1, args.prompt_len + args.output_len / 2)
+    print(
+        f"  bytes per decoded token at batch 1: {step1['total'] / 1e9:.2f} GB "
+        f"(dense {step1['dense'] / 1e9:.2f}, experts {step1['experts'] / 1e9:.2f}, KV {step1['kv_read'] / 1e9:.3f})"
+    )
+    return {"per_batch": plans, "batch1_decode_step_bytes": step1}
+
+
+def run(args: argparse.Namespace) -> int:
+    from gptoss_max.engine import uses_gpu
+
+    spec, mxfp4, synthetic = _spec_of(args.model)
+    free_gib = args.gpu_memory_gib or DEFAULT_GPU_FREE_GIB
+    if args.plan:  # a GPU's plan unless --device cpu; no device is touched
+        args.gpu = args.device != "cpu"
+        print_plans(spec, mxfp4, args, int(free_gib * 2**30) if args.gpu else _host_memory())
+        return 0
+    args.gpu = uses_gpu(args.device)
+    name = gpu_name() if args.gpu else None
+    date = datetime.date.today()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"e2e_{device_slug(name)}_{date:%Y%m%d}.json"
+    log_dir = Path(tempfile.mkdtemp(prefix="e2e_", dir=out_dir if args.keep_logs else None))
+    result: dict[str, Any] = {
+        "device": name or "cpu",
+        "date": date.isoformat(),
+        "command": shlex.join(["gptoss-max", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else sys.argv),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "rows": [],
+        "runs": {},
+    }
+    for old in args.merge or []:
+        prev = json.loads(Path(old).read_text())
+        result["rows"] = merge_rows(result["rows"], prev.get("rows", []))
+        result["runs"].update(prev.get("runs", {}))
+    bw = run_worker(args, "bandwidth", args.model, None, False, 300, log_dir)
+    bandwidth = (bw.get("bandwidth") or {}).get("bytes_per_s")
+    run_key = f"{args.model} {args.encoding or 'default'}"
+    run_info: dict[str, Any] = {"bandwidth": bw.get("bandwidth"), "workers": {}}
+    run_info["memory_plan"] = print_plans(spec, mxfp4, args, int(free_gib * 2**30) if args.gpu else _host_memory())
+
+    def save(ours: dict[bool, dict[str, Any]], stock: dict[str, dict[str, Any]]) -> None:
+        rows = _rows(args.model, spec, mxfp4, args, bandwidth, ours, stock)
+        result["rows"] = merge_rows(result["rows"], rows)
+        result["runs"][run_key] = run_info
+        path.write_text(json.dumps(result, indent=2))
+
+    ours: dict[bool, dict[str, Any]] = {}
+    stock: dict[str, dict[str, Any]] = {}
+    for gc in {"off": [False], "on": [True], "both": [False, True]}[args.graph_capture]:
+        res = run_worker(args, "ours", args.model, args.encoding, gc, args.timeout, log_dir)
+        ours[gc] = res
+        run_info["workers"][f"ours{'-graphs' if gc else ''}"] = res
+        save(ours, stock)
+    if args.stock == "on" or (args.stock == "auto" and args.gpu):
+        for enc, model in _stock_variants(args, synthetic, mxfp4):
+            res = run_worker(args, "stock", model, enc, False, args.stock_timeout, log_dir)
+            stock[enc] = res
+            run_info["workers"][f"stock-{enc}"] = res
+            save(ours, stock)
+    save(ours, stock)
+    print(markdown_table(result))
+    print(f"wrote {path}")
+    return 0
+
+
+def _host_memory() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _stock_variants(args: argparse.Namespace, synthetic: SyntheticModel | None, mxfp4: bool) -> list[tuple[str, str]]:
+    """MAX's stock pipeline: its MXFP4 encoding on the same checkpoint; for a 20b (or any model
+    with bf16 experts) its BF16 encoding on the bf16-experts twin; float32 on a CPU."""
+    if not args.gpu:
+        return [("float32", args.model)]
+    variants = []
+    if mxfp4:
+        variants.append(("float4_e2m1fnx2", args.model))
+    if synthetic and (synthetic.preset in ("20b", "tiny") or not mxfp4):
+        twin = SyntheticModel(synthetic.preset, synthetic.seed, "bf16", synthetic.layers)
+        variants.append(("bfloat16", twin.name))
+    elif not mxfp4:
+        variants.append(("bfloat16", args.model))
+    return variants
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument(
+        "--model",
+        default="synthetic:20b",
+        help="synthetic:<tiny|20b|120b>[,seed=N][,experts=mxfp4|bf16][,layers=N] or a local checkpoint dir",
+    )
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes (default: 1 8 64)")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256, help="tokens generated per row, EOS ignored")
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    p.add_argument(
+        "--encoding", default=None, help="our pipeline's MAX encoding (default: bfloat16 on GPU, float32 on CPU)"
+    )
+    p.add_argument(
+        "--graph-capture",
+        choices=["off", "on", "both"],
+        default="off",
+        help="our decode steps replay captured device graphs (MAX's overlap pipeline); both = two runs",
+    )
+    p.add_argument(
+        "--stock",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="also run MAX's stock gpt_oss pipeline (auto: on a GPU)",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="seconds for our pipeline's worker (default: none)")
+    p.add_argument("--stock-timeout", type=float, default=600, help="seconds for each stock pipeline worker")
+    p.add_argument("--warmup-tokens", type=int, default=4, help="an untimed batch of this many tokens first (0: none)")
+    p.add_argument(
+        "--max-length", type=int, default=None, help="context the pipeline plans for (default: prompt + output + 16)"
+    )
+    p.add_argument(
+        "--max-batch-input-tokens", type=int, default=None, help="prompt tokens per prefill step (MAX default 8192)"
+    )
+    p.add_argument(
+        "--kv-memory-fraction", type=float, default=None, help="MAX's device_memory_utilization (default 0.9 on GPU)"
+    )
+    p.add_argument("--out", default="bench/results", help="directory for e2e_<gpu>_<yyyymmdd>.json")
+    p.add_argument("--merge", nargs="*", default=None, help="earlier e2e JSON files whose rows this run's file keeps")
+    p.add_argument("--keep-logs", action="store_true", help="keep each worker's log and JSON under --out")
+    p.add_argument(
+        "--plan", action="store_true", help="print the memory plan and roofline bytes only (no device needed)"
+    )
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help=f"free device memory the plan assumes (default {DEFAULT_GPU_FREE_GIB}: an idle 80 GB H100)",
+    )
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--arch", choices=["ours", "stock", "bandwidth"], default="ours", help=argparse.SUPPRESS)
+    p.add_argument("--worker-graph-capture", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(
+        argparse.ArgumentParser(
+            prog="gptoss-max bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+    )
+    args = parser.parse_args(argv)
+    return worker(args) if args.worker_out else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
