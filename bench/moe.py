@@ -175,21 +175,21 @@ def build_stock_dequant(device_ref):
     """MAX's stock MXFP4 step before its grouped matmul: both whole stacks of
     one layer dequantized to bf16 by max.nn.kernels.mxfp4_dequant."""
     from max.dtype import DType
-    from max.graph import Graph, TensorType, ops
+    from max.graph import Graph, TensorType
     from max.nn.kernels import mxfp4_dequant
 
     e, h, i = "E", HIDDEN, INTER
+    e8 = DType.float8_e8m0fnu  # as MAX's gpt_oss weight adapter hands scales over
     types = [
         TensorType(DType.uint8, [e, 2 * i, h // 2], device_ref),
-        TensorType(DType.uint8, [e, 2 * i, h // 32], device_ref),
+        TensorType(e8, [e, 2 * i, h // 32], device_ref),
         TensorType(DType.uint8, [e, h, i // 2], device_ref),
-        TensorType(DType.uint8, [e, h, i // 32], device_ref),
+        TensorType(e8, [e, h, i // 32], device_ref),
     ]
 
     def forward(gb, gs, db, ds):
-        e8 = DType.float8_e8m0fnu
-        gu = mxfp4_dequant(gb, ops.bitcast(gs, e8), out_type=DType.bfloat16)
-        dn = mxfp4_dequant(db, ops.bitcast(ds, e8), out_type=DType.bfloat16)
+        gu = mxfp4_dequant(gb, gs, out_type=DType.bfloat16)
+        dn = mxfp4_dequant(db, ds, out_type=DType.bfloat16)
         return gu, dn
 
     return Graph("moe_stock_dequant", forward=forward, input_types=types)
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from max.driver import Accelerator, Buffer
+    from max.dtype import DType
     from max.engine import InferenceSession
     from max.graph import DeviceRef
 
@@ -310,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         stock_us = None
         if g_stock is not None:
             s0 = sets[0]
-            sargs = [buf(s0.gu_blocks), buf(s0.gu_scales), buf(s0.dn_blocks), buf(s0.dn_scales)]
+            e8 = DType.float8_e8m0fnu
+            sargs = [
+                buf(s0.gu_blocks), buf(s0.gu_scales).view(e8, list(s0.gu_scales.shape)),
+                buf(s0.dn_blocks), buf(s0.dn_scales).view(e8, list(s0.dn_scales.shape)),
+            ]  # fmt: skip
             stock_us = 1e3 * statistics.median(timer.time_ms(g_stock, sargs, reps=max(5, args.reps // 5)))
 
         for tokens in token_counts:

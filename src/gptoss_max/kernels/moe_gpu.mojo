@@ -24,8 +24,9 @@
 #   decode order is used as is; only the staging follows it.
 #
 # down writes per-(t, k) partials; the last block to finish a row tile
-# (global counter, zeroed by gate_up of the same step) sums them over k in
-# a fixed order and writes the output: deterministic, no float atomics.
+# (global counter, zeroed by gate_up of the same step, reset by that last
+# block for the next chunk) sums them over k in a fixed order and writes the
+# output: deterministic, no float atomics.
 
 from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
@@ -443,6 +444,10 @@ def down_kernel[
     barrier()
     if meta[3] == 0:
         return
+    # Every block of this tile has counted: reset for the next chunk's launch
+    # (gate_up zeroes the counters only once per step).
+    if tid == 0:
+        counters[unsafe_offset=Int(block_idx.x)] = 0
     threadfence()
     for idx in range(tid, tokens * tile_rows, threads):
         var t = idx // tile_rows
