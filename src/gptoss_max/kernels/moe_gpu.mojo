@@ -16,12 +16,18 @@
 #       4 * it + q of row r0 + g (so a warp reads 8 rows x 64 contiguous
 #       bytes per step), decodes it in registers to bf16 pairs with the
 #       E8M0 scale applied by a bf16 multiply with a power of two (exact).
-#   A (m x k) = the routed tokens' activations (up to 8 per pass, the
-#       other 8 rows zero) staged once per block in shared memory in the
-#       same element order as the decoded pairs; float32 activations are
-#       split into bf16 hi + lo (two mma), so h keeps ~16 bits.
+#   A (m x k) = the routed tokens' activations, lane (g, q) serving token g
+#       of the pass (up to 8 per pass; rows 8..15 zero), read straight from
+#       global memory (L1/L2-resident: every warp of an SM reads the same
+#       rows) in the decode order of B: x is permuted in registers, and
+#       gate_up writes h already in that order as bf16 (hi, plus a lo
+#       remainder for float32 graphs, which then take two mma).
 #   The k order inside a block is irrelevant to a dot product, so the
-#   decode order is used as is; only the staging follows it.
+#   decode order is used as is and the activations follow it.
+#
+# On the GPU, h ([T, K, I] f32 in the graph) is opaque to everything but
+# the two kernels: row t*K + k holds I bf16 in decode order (_h_slot), then
+# I bf16 remainders when the graph is float32.
 #
 # down writes per-(t, k) partials; the last block to finish a row tile
 # (global counter, zeroed by gate_up of the same step, reset by that last
@@ -30,9 +36,9 @@
 
 from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
-from max.gpu.host import DeviceContext, FuncAttribute
+from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import threadfence
-from max.gpu.memory import AddressSpace, external_memory
+from max.gpu.memory import AddressSpace
 from max.gpu.primitives.warp import vote
 from std.atomic import Atomic
 from std.bit import pop_count, count_trailing_zeros
@@ -63,25 +69,18 @@ comptime PAD_WORDS = 4
 
 
 @always_inline
-def _tok_words(nchunks: Int) -> Int:
-    return nchunks * 16 + PAD_WORDS
-
-
-@always_inline
-def _swz(c: Int, p: Int) -> Int:
-    """Word offset of pair p (0..15) of block c inside a token's row: the
-    four 16-byte vectors of a block are rotated by c so that the lanes of a
-    quarter warp (consecutive c) hit different banks."""
-    return c * 16 + (((p >> 2) + c) & 3) * 4 + (p & 3)
-
-
-@always_inline
-def _pair_elems(c: Int, p: Int) -> Tuple[Int, Int]:
-    """Element indices (low, high half) of decoded pair p of block c."""
-    var w = p >> 2
-    var s = p & 3
-    var lo = 32 * c + 8 * w + 3 - s
-    return (lo, lo + 4)
+def _h_slot(i: Int) -> Int:
+    """bf16 index of h element i in the decode-ordered layout the GPU
+    gate_up writes and down reads: block c = i / 32 holds 16 pair words in
+    decode order, pair p = 4w + s being elements (8w + 3 - s, 8w + 7 - s)
+    (see _decode_pair), low half first."""
+    var c = i >> 5
+    var e = i & 31
+    var w = e >> 3
+    var r = e & 7
+    var s = 3 - r if r < 4 else 7 - r
+    var half = 0 if r < 4 else 1
+    return 2 * (c * 16 + 4 * w + s) + half
 
 
 @always_inline
@@ -167,66 +166,69 @@ def _route[
     barrier()
 
 
+# How a lane gets its A fragment (activations of one token, one 32-element
+# block, as 16 bf16 pair words in decode order):
+comptime A_BF16 = 0  # x bf16 in natural order: 4 x 16-byte loads + permute
+comptime A_F32 = 1  # x f32 in natural order: 8 loads, split into hi + lo
+comptime A_WORDS = 2  # h as decode-ordered bf16 pair words (hi only)
+comptime A_WORDS_SPLIT = 3  # h as decode-ordered hi words, then lo words
+
+
 @always_inline
-def _stage[
-    src_dtype: DType, split: Bool, by_token: Bool, threads: Int
-](
-    src: Pointer[Scalar[src_dtype], _],
-    row_len: Int,
-    top_k: Int,
-    plist: Pointer[Int32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    first: Int,
-    ntok: Int,
-    nchunks: Int,
-    hi: Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    lo: Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-):
-    """Stages ntok activation rows (pairs plist[first:first+ntok]) into
-    shared memory as bf16 pairs in decode order (hi, and lo = rest when
-    `split`). Row of pair p: token p // top_k if by_token, else p."""
-    var tid = Int(thread_idx.x)
-    var per_tok = nchunks * 16
-    var tw = _tok_words(nchunks)
-    for idx in range(tid, ntok * per_tok, threads):
-        var tok = idx // per_tok
-        var rem = idx - tok * per_tok
-        var c = rem >> 4
-        var p = rem & 15
-        var pair = Int(plist[first + tok])
-        var row = pair // top_k if by_token else pair
-        var el = _pair_elems(c, p)
-        var base = src.unsafe_offset(row * row_len)
-        var a = base[unsafe_offset=el[0]].cast[DType.float32]()
-        var b = base[unsafe_offset=el[1]].cast[DType.float32]()
-        var h2 = SIMD[DType.float32, 2](a, b).cast[DType.bfloat16]()
-        var at = tok * tw + _swz(c, p)
-        hi[at] = bitcast[DType.uint32, 1](h2)
-        comptime if split:
-            var r = SIMD[DType.float32, 2](a, b) - h2.cast[DType.float32]()
-            lo[at] = bitcast[DType.uint32, 1](r.cast[DType.bfloat16]())
+def _load_a[
+    mode: Int
+](arow: Pointer[UInt32, _], lo_off: Int, c: Int) -> Tuple[SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]]:
+    var hi = SIMD[DType.uint32, 16](0)
+    var lo = SIMD[DType.uint32, 16](0)
+    comptime if mode == A_BF16:
+        comptime for w in range(4):
+            # words (e0,e1) (e2,e3) (e4,e5) (e6,e7) of elements 32c + 8w ...
+            var v = arow.unsafe_load[width=4, alignment=16](c * 16 + w * 4)
+            hi[4 * w + 0] = (v[1] >> 16) | (v[3] & 0xFFFF0000)  # (e3, e7)
+            hi[4 * w + 1] = (v[1] & 0xFFFF) | (v[3] << 16)  # (e2, e6)
+            hi[4 * w + 2] = (v[0] >> 16) | (v[2] & 0xFFFF0000)  # (e1, e5)
+            hi[4 * w + 3] = (v[0] & 0xFFFF) | (v[2] << 16)  # (e0, e4)
+    elif mode == A_F32:
+        comptime for w in range(4):
+            var v0 = bitcast[DType.float32, 4](arow.unsafe_load[width=4, alignment=16](c * 32 + w * 8))
+            var v1 = bitcast[DType.float32, 4](arow.unsafe_load[width=4, alignment=16](c * 32 + w * 8 + 4))
+            comptime for s in range(4):
+                var ab = SIMD[DType.float32, 2](v0[3 - s], v1[3 - s])
+                var h2 = ab.cast[DType.bfloat16]()
+                hi[4 * w + s] = bitcast[DType.uint32, 1](h2)
+                lo[4 * w + s] = bitcast[DType.uint32, 1]((ab - h2.cast[DType.float32]()).cast[DType.bfloat16]())
+    else:
+        comptime for v4 in range(4):
+            var x4 = arow.unsafe_load[width=4, alignment=16](c * 16 + v4 * 4)
+            comptime for z in range(4):
+                hi[4 * v4 + z] = x4[z]
+            comptime if mode == A_WORDS_SPLIT:
+                var y4 = arow.unsafe_load[width=4, alignment=16](lo_off + c * 16 + v4 * 4)
+                comptime for z in range(4):
+                    lo[4 * v4 + z] = y4[z]
+    return (hi, lo)
 
 
 @always_inline
 def _row_tile_mma[
-    split: Bool
+    amode: Int
 ](
     wrow: Pointer[UInt8, _],
     srow: Pointer[UInt8, _],
     row_ok: Bool,
     nchunks: Int,
-    hi: Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    lo: Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    ntok: Int,
+    arow: Pointer[UInt32, _],
+    lo_off: Int,
+    has_tok: Bool,
 ) -> SIMD[DType.float32, 4]:
     """One warp: D[token, row] for 8 rows (this lane's row: wrow/srow) and
-    up to 8 staged tokens. Returns this lane's accumulator fragment
-    (c0, c1: token lane/4, rows 2*(lane%4) + {0, 1} of the 8)."""
+    up to 8 tokens (this lane's token row: arow, if has_tok). Returns this
+    lane's accumulator fragment (c0, c1: token lane/4, rows 2*(lane%4) +
+    {0, 1} of the 8)."""
+    comptime split = amode == A_F32 or amode == A_WORDS_SPLIT
     var lane = Int(lane_id())
-    var g = lane >> 2
     var q = lane & 3
     var iters = (nchunks + 3) >> 2
-    var tw = _tok_words(nchunks)
-    var has_tok = g < ntok
     var acc = SIMD[DType.float32, 4](0)
     var wv = Array[SIMD[DType.uint32, 4], UNROLL](fill=0)
     var sv = Array[UInt32, UNROLL](fill=0)
@@ -255,16 +257,9 @@ def _row_tile_mma[
                 var ahi = SIMD[DType.uint32, 16](0)
                 var alo = SIMD[DType.uint32, 16](0)
                 if has_tok and c < nchunks:
-                    var base = g * tw + c * 16
-                    comptime for v4 in range(4):
-                        var off = base + (((v4 + c) & 3) * 4)
-                        var x4 = hi.unsafe_load[width=4, alignment=16](off)
-                        comptime for z in range(4):
-                            ahi[4 * v4 + z] = x4[z]
-                        comptime if split:
-                            var y4 = lo.unsafe_load[width=4, alignment=16](off)
-                            comptime for z in range(4):
-                                alo[4 * v4 + z] = y4[z]
+                    var a2 = _load_a[amode](arow, lo_off, c)
+                    ahi = a2[0]
+                    alo = a2[1]
                 comptime for j in range(8):
                     var b = SIMD[DType.bfloat16, 4](
                         pairs[4 * j], pairs[4 * j + 1], pairs[4 * j + 2], pairs[4 * j + 3]
@@ -315,7 +310,6 @@ def gate_up_kernel[
     var flags = stack_allocation[MAX_EXPERTS, UInt32, address_space=AddressSpace.SHARED]()
     var plist = stack_allocation[MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
     var meta = stack_allocation[4, Int32, address_space=AddressSpace.SHARED]()
-    var dyn = external_memory[UInt32, address_space=AddressSpace.SHARED, alignment=16]()
     var tid = Int(thread_idx.x)
     if block_idx.x == 0 and block_idx.y == 0:
         for i in range(tid, n_counters, threads):
@@ -327,8 +321,6 @@ def gate_up_kernel[
     var npairs_e = Int(meta[2])
     var nchunks = hidden // 32
     var inter = rows // 2
-    var hi = dyn
-    var lo = dyn.unsafe_offset(min(n_pairs // top_k, TOK_PASS) * _tok_words(nchunks))
     var r0 = (Int(block_idx.x) * warps + Int(warp_id())) * 8
     var lane = Int(lane_id())
     var g = lane >> 2
@@ -338,20 +330,25 @@ def gate_up_kernel[
     var erow = e * rows + (row if row_ok else 0)
     var wrow = blocks.unsafe_offset(erow * (hidden // 2))
     var srow = scales.unsafe_offset(erow * nchunks)
+    # h rows as bf16: hi pair words (decode order), then lo (f32 graphs).
+    var hb = h.unsafe_bitcast[BFloat16]()
     var first = 0
     while first < npairs_e:
-        var ntok = min(TOK_PASS, npairs_e - first)
-        if first > 0:
-            barrier()
-        _stage[x_dtype, split, True, threads](x, hidden, top_k, plist, first, ntok, nchunks, hi, lo)
-        barrier()
-        var acc = _row_tile_mma[split](wrow, srow, row_ok, nchunks, hi, lo, ntok)
+        var has_tok = first + g < npairs_e
+        var p = Int(plist[first + g]) if has_tok else 0
+        var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
+        comptime amode = A_F32 if split else A_BF16
+        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, xrow, 0, has_tok)
         var gr = r0 + 2 * q
-        if g < ntok and gr + 1 < rows:
-            var p = Int(plist[first + g])
+        if has_tok and gr + 1 < rows:
             var gate = acc[0] + bias[unsafe_offset=e * rows + gr]
             var up = acc[1] + bias[unsafe_offset=e * rows + gr + 1]
-            h[unsafe_offset=p * inter + (gr >> 1)] = gptoss_swiglu(gate, up)
+            var v = gptoss_swiglu(gate, up)
+            var at = p * 2 * inter + _h_slot(gr >> 1)
+            var vb = v.cast[DType.bfloat16]()
+            hb[unsafe_offset=at] = vb
+            comptime if split:
+                hb[unsafe_offset=at + inter] = (v - vb.cast[DType.float32]()).cast[DType.bfloat16]()
         first += TOK_PASS
 
 
@@ -386,7 +383,6 @@ def down_kernel[
     var flags = stack_allocation[MAX_EXPERTS, UInt32, address_space=AddressSpace.SHARED]()
     var plist = stack_allocation[MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
     var meta = stack_allocation[4, Int32, address_space=AddressSpace.SHARED]()
-    var dyn = external_memory[UInt32, address_space=AddressSpace.SHARED, alignment=16]()
     var tid = Int(thread_idx.x)
     var tokens = n_pairs // top_k
     var rbase = Int(block_idx.x) * tile_rows
@@ -406,8 +402,6 @@ def down_kernel[
         return
     var npairs_e = Int(meta[2])
     var nchunks = inter // 32
-    var hi = dyn
-    var lo = dyn.unsafe_offset(min(n_pairs // top_k, TOK_PASS) * _tok_words(nchunks))
     var r0 = rbase + Int(warp_id()) * 8
     var lane = Int(lane_id())
     var g = lane >> 2
@@ -417,16 +411,16 @@ def down_kernel[
     var erow = e * hidden + (row if row_ok else 0)
     var wrow = blocks.unsafe_offset(erow * (inter // 2))
     var srow = scales.unsafe_offset(erow * nchunks)
+    var hw = h.unsafe_bitcast[UInt32]()
     var first = 0
     while first < npairs_e:
-        var ntok = min(TOK_PASS, npairs_e - first)
-        if first > 0:
-            barrier()
-        _stage[DType.float32, split, False, threads](h, inter, top_k, plist, first, ntok, nchunks, hi, lo)
-        barrier()
-        var acc = _row_tile_mma[split](wrow, srow, row_ok, nchunks, hi, lo, ntok)
-        if g < ntok:
-            var p = Int(plist[first + g])
+        var has_tok = first + g < npairs_e
+        var p = Int(plist[first + g]) if has_tok else 0
+        # row p of h: I f32 = I/2 hi pair words, then I/2 lo pair words
+        var hrow = hw.unsafe_offset(p * inter)
+        comptime amode = A_WORDS_SPLIT if split else A_WORDS
+        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, hrow, inter // 2, has_tok)
+        if has_tok:
             var wgt = wts[unsafe_offset=p]
             comptime for z in range(2):
                 var r = r0 + 2 * q + z
@@ -461,10 +455,6 @@ def down_kernel[
             output[unsafe_offset=t * hidden + r] = s.cast[out_dtype]()
 
 
-def _smem_bytes(nchunks: Int, tokens: Int, split: Bool) -> Int:
-    return min(tokens, TOK_PASS) * _tok_words(nchunks) * 4 * (2 if split else 1)
-
-
 def n_counters(hidden: Int) -> Int:
     """Length of the counters tensor: one per down row tile (at most)."""
     return (hidden + COUNTER_TILE_ROWS - 1) // COUNTER_TILE_ROWS
@@ -488,15 +478,12 @@ def _launch_gate_up[
     rows: Int,
     hidden: Int,
 ) raises:
-    var smem = _smem_bytes(hidden // 32, tokens, x_dtype != DType.bfloat16)
     var n_pairs = tokens * top_k
     ctx.enqueue_function[gate_up_kernel[x_dtype, warps]](
         h, counters, Int64(n_count), x, ids, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
         block_dim=warps * 32,
-        shared_mem_bytes=smem,
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
     )
 
 
@@ -552,15 +539,12 @@ def _launch_down[
     hidden: Int,
     inter: Int,
 ) raises:
-    var smem = _smem_bytes(inter // 32, tokens, out_dtype != DType.bfloat16)
     var n_pairs = tokens * top_k
     ctx.enqueue_function[down_kernel[out_dtype, warps]](
         output, partial, counters, h, ids, wts, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
         grid_dim=((hidden + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
         block_dim=warps * 32,
-        shared_mem_bytes=smem,
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
     )
 
 
