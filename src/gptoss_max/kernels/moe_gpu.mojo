@@ -48,9 +48,7 @@ from std.memory import bitcast, stack_allocation
 from .moe_common import gptoss_swiglu
 
 # Warps per block (one row tile of 8 rows per warp). For 1-2 tokens, small
-# blocks keep every block of the step resident at once (no second wave) and
-# the bytes per SM even; the activation staging, repeated per block, is
-# cheap then. With more tokens the staging grows, so blocks share it.
+# blocks keep the bytes per SM even; with more, blocks share the routing.
 comptime FEW_TOKENS = 2
 comptime GATE_UP_WARPS_FEW = 2
 comptime DOWN_WARPS_FEW = 1
@@ -63,9 +61,6 @@ comptime CHUNK_TOKENS = 64
 comptime MAX_TOPK = 4
 comptime MAX_PAIRS = CHUNK_TOKENS * MAX_TOPK
 comptime MAX_EXPERTS = 256
-# Shared-memory words per staged token: 16 pair-words per 32-element block,
-# padded by one 16-byte vector against bank conflicts between tokens.
-comptime PAD_WORDS = 4
 
 
 @always_inline

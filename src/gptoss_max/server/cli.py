@@ -100,6 +100,7 @@ def serve_settings(args: argparse.Namespace) -> Any:
         "MAX_SERVE_PORT": args.port,
         "MAX_SERVE_API_TYPES": [APIType.OPENAI],
         "MAX_SERVE_METRIC_RECORDING_METHOD": MetricRecordingMethod.ASYNCIO,
+        "MAX_SERVE_LOGS_ENABLE_COMPONENTS": "gptoss_max",  # MAX's log filter drops other loggers
     }
     if args.max_queue_size is not None:
         kw["MAX_SERVE_MAX_QUEUE_SIZE"] = args.max_queue_size

@@ -5,9 +5,9 @@ MAX's own `maxserve_cache_num_used_blocks` gauge is recorded in the model worker
 only refreshed when a batch runs, so it would still show a dropped stream's blocks after
 the last batch. So the worker publishes its KV manager's figures itself: `ProbedFactory`
 wraps MAX's pipeline factory (it is pickled into the worker and called there), and a daemon
-thread writes `block_count()` and the number of requests the block manager holds claims for
-to a small JSON file every `interval` s. The API process reads the file (`KVProbe`) into
-`gptoss_kv_*` gauges on `/metrics`.
+thread writes `block_count()` and the number of requests holding blocks to a small JSON
+file every `interval` s. The API process reads the file (`KVProbe`) into `gptoss_kv_*`
+gauges on `/metrics`.
 """
 
 from __future__ import annotations
@@ -24,15 +24,24 @@ from typing import Any
 logger = logging.getLogger("gptoss_max.server")
 
 
+def _claims(kv_manager: Any) -> int | None:
+    """Requests the manager holds blocks for: MAX 26.7 keeps no public count, so its own tables,
+    `_requests` of the Jenga manager (gpt-oss's, with its sliding-window layers) or the paged
+    manager's `_block_manager.req_to_replica`."""
+    for owner, name in ((kv_manager, "_requests"), (getattr(kv_manager, "_block_manager", None), "req_to_replica")):
+        table = getattr(owner, name, None)
+        if isinstance(table, dict):
+            return len(table)
+    return None
+
+
 def snapshot(kv_manager: Any) -> dict[str, Any]:
-    """The manager's occupancy now: MAX's `block_count()` and its block manager's claimed requests."""
+    """The manager's occupancy now: MAX's `block_count()` and the requests holding blocks."""
     count = kv_manager.block_count(0)
-    blocks = getattr(kv_manager, "_block_manager", None)  # PagedKVCacheManager's; absent elsewhere
-    claims = getattr(blocks, "req_to_replica", None)
     return {
         "used_blocks": int(count.used),
         "total_blocks": int(count.total),
-        "requests": len(claims) if claims is not None else None,
+        "requests": _claims(kv_manager),
         "time": time.time(),
     }
 
