@@ -37,7 +37,7 @@
 from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
-from max.gpu.intrinsics import threadfence
+from max.gpu.intrinsics import byte_permute, threadfence
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives.warp import vote
 from std.atomic import Atomic
@@ -79,31 +79,13 @@ def _h_slot(i: Int) -> Int:
 
 
 @always_inline
-def _scale_bits(s: UInt32) -> Tuple[UInt32, UInt32, Bool]:
-    """bf16x2 multipliers taking a decoded placeholder to value * 2^(s-127).
-
-    The placeholder (see _decode_pair) is value * 2^-126, so one multiply by
-    2^(s-1) is exact when that power fits a normal bf16 (s <= 128); larger
-    scales take 2^126 then 2^(s-127)."""
-    if s <= 128:
-        var m = (s + 126) << 7
-        return (m | (m << 16), UInt32(0), False)
-    var m1 = UInt32(253) << 7
-    var m2 = s << 7
-    return (m1 | (m1 << 16), m2 | (m2 << 16), True)
-
-
-@always_inline
-def _decode_pair(v: UInt32, m1: UInt32, m2: UInt32, two: Bool) -> SIMD[DType.bfloat16, 2]:
-    """Nibbles 3 and 7 of v (low, high half) as scaled bf16: sign to bit 15,
-    e2m1 magnitude bits (e1 e0 m) to bf16 bits 8..6, i.e. value * 2^-126
-    (code 1 lands on the bf16 subnormal 2^-127), then the scale multiply."""
+def _decode_pair(v: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
+    """Nibbles 3 and 7 of v (low, high half) as bf16 times `mult`: sign to
+    bit 15, e2m1 magnitude bits (e1 e0 m) to bf16 bits 8..6, which is the
+    value times 2^-126 (code 1 lands on the bf16 subnormal 2^-127); then
+    one multiply by 2^(s-1) gives value * 2^(s-127) exactly (s <= 128)."""
     var bits = (v & 0x80008000) | ((v >> 6) & 0x01C001C0)
-    var x = bitcast[DType.bfloat16, 2](bits)
-    x = x * bitcast[DType.bfloat16, 2](m1)
-    if two:
-        x = x * bitcast[DType.bfloat16, 2](m2)
-    return x
+    return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](bits) * mult)
 
 
 @always_inline
@@ -179,10 +161,10 @@ def _load_a[
         comptime for w in range(4):
             # words (e0,e1) (e2,e3) (e4,e5) (e6,e7) of elements 32c + 8w ...
             var v = arow.unsafe_load[width=4, alignment=16](c * 16 + w * 4)
-            hi[4 * w + 0] = (v[1] >> 16) | (v[3] & 0xFFFF0000)  # (e3, e7)
-            hi[4 * w + 1] = (v[1] & 0xFFFF) | (v[3] << 16)  # (e2, e6)
-            hi[4 * w + 2] = (v[0] >> 16) | (v[2] & 0xFFFF0000)  # (e1, e5)
-            hi[4 * w + 3] = (v[0] & 0xFFFF) | (v[2] << 16)  # (e0, e4)
+            hi[4 * w + 0] = byte_permute(v[1], v[3], 0x7632)  # (e3, e7)
+            hi[4 * w + 1] = byte_permute(v[1], v[3], 0x5410)  # (e2, e6)
+            hi[4 * w + 2] = byte_permute(v[0], v[2], 0x7632)  # (e1, e5)
+            hi[4 * w + 3] = byte_permute(v[0], v[2], 0x5410)  # (e0, e4)
     elif mode == A_F32:
         comptime for w in range(4):
             var v0 = bitcast[DType.float32, 4](arow.unsafe_load[width=4, alignment=16](c * 32 + w * 8))
@@ -241,14 +223,27 @@ def _row_tile_mma[
         comptime for u in range(UNROLL):
             if it + u < iters:
                 var c = 4 * (it + u) + q
-                var sc = _scale_bits(sv[u])
-                var pairs = SIMD[DType.bfloat16, 32](0)
-                comptime for w in range(4):
-                    var v = wv[u][w]
-                    comptime for s in range(4):
-                        var d = _decode_pair(v << UInt32(4 * s), sc[0], sc[1], sc[2])
-                        pairs[2 * (4 * w + s)] = d[0]
-                        pairs[2 * (4 * w + s) + 1] = d[1]
+                var sc = sv[u]
+                var pairs = SIMD[DType.uint32, 16](0)
+                # Scales above 128 (weights of magnitude >= 12) need two
+                # multiplies; the warp takes that path only if a lane needs it.
+                if vote[DType.uint32](sc > 128) == 0:
+                    var m = (sc + 126) << 7
+                    var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
+                    comptime for w in range(4):
+                        comptime for s4 in range(4):
+                            pairs[4 * w + s4] = _decode_pair(wv[u][w] << UInt32(4 * s4), mult)
+                else:
+                    var m1 = UInt32(253) << 7
+                    var m2 = sc << 7
+                    var mult1 = bitcast[DType.bfloat16, 2](m1 | (m1 << 16))
+                    var mult2 = bitcast[DType.bfloat16, 2](m2 | (m2 << 16))
+                    comptime for w in range(4):
+                        comptime for s4 in range(4):
+                            var d = _decode_pair(wv[u][w] << UInt32(4 * s4), mult1)
+                            pairs[4 * w + s4] = bitcast[DType.uint32, 1](
+                                bitcast[DType.bfloat16, 2](d) * mult2
+                            )
                 var ahi = SIMD[DType.uint32, 16](0)
                 var alo = SIMD[DType.uint32, 16](0)
                 if has_tok and c < nchunks:
@@ -256,20 +251,12 @@ def _row_tile_mma[
                     ahi = a2[0]
                     alo = a2[1]
                 comptime for j in range(8):
-                    var b = SIMD[DType.bfloat16, 4](
-                        pairs[4 * j], pairs[4 * j + 1], pairs[4 * j + 2], pairs[4 * j + 3]
-                    )
-                    var a01 = bitcast[DType.bfloat16, 2](ahi[2 * j])
-                    var a45 = bitcast[DType.bfloat16, 2](ahi[2 * j + 1])
-                    var a = SIMD[DType.bfloat16, 8](
-                        a01[0], a01[1], 0, 0, a45[0], a45[1], 0, 0
-                    )
+                    var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](pairs[2 * j], pairs[2 * j + 1]))
+                    var a = bitcast[DType.bfloat16, 8](SIMD[DType.uint32, 4](ahi[2 * j], 0, ahi[2 * j + 1], 0))
                     mma(acc, a, b, acc)
                     comptime if split:
-                        var l01 = bitcast[DType.bfloat16, 2](alo[2 * j])
-                        var l45 = bitcast[DType.bfloat16, 2](alo[2 * j + 1])
-                        var al = SIMD[DType.bfloat16, 8](
-                            l01[0], l01[1], 0, 0, l45[0], l45[1], 0, 0
+                        var al = bitcast[DType.bfloat16, 8](
+                            SIMD[DType.uint32, 4](alo[2 * j], 0, alo[2 * j + 1], 0)
                         )
                         mma(acc, al, b, acc)
         it += UNROLL
