@@ -47,10 +47,12 @@ from std.memory import bitcast, stack_allocation
 
 from .moe_common import gptoss_swiglu
 
-# Blocks: rt row tiles of 8 rows, each split over ks warps along k (the
-# per-warp chain of dependent loads and mma is then 1/ks long). Up to
-# FEW_TOKENS tokens: rt=1, ks=4; more: rt=2, ks=2 (routing shared by more rows).
+# Warps per block (one row tile of 8 rows per warp). For 1-2 tokens, small
+# blocks keep the bytes per SM even; with more, blocks share the routing.
 comptime FEW_TOKENS = 2
+comptime GATE_UP_WARPS_FEW = 2
+comptime DOWN_WARPS_FEW = 1
+comptime WARPS_MANY = 4
 # Counters are sized for the smallest down tile (8 rows).
 comptime COUNTER_TILE_ROWS = 8
 comptime TOK_PASS = 8
@@ -195,27 +197,23 @@ def _row_tile_mma[
     arow: Pointer[UInt32, _],
     lo_off: Int,
     has_tok: Bool,
-    kpart: Int,
-    ks: Int,
 ) -> SIMD[DType.float32, 4]:
     """One warp: D[token, row] for 8 rows (this lane's row: wrow/srow) and
     up to 8 tokens (this lane's token row: arow, if has_tok). Returns this
     lane's accumulator fragment (c0, c1: token lane/4, rows 2*(lane%4) +
-    {0, 1} of the 8) over the groups of 4 blocks kpart, kpart + ks, ...
-    (split-K: the warps of a tile share the row and add up afterwards)."""
+    {0, 1} of the 8)."""
     comptime split = amode == A_F32 or amode == A_WORDS_SPLIT
     var lane = Int(lane_id())
     var q = lane & 3
     var iters = (nchunks + 3) >> 2
     var acc = SIMD[DType.float32, 4](0)
-    var acc2 = SIMD[DType.float32, 4](0)  # odd k-steps: two mma chains
     var wv = Array[SIMD[DType.uint32, 4], UNROLL](fill=0)
     var sv = Array[UInt32, UNROLL](fill=0)
     var wp32 = wrow.unsafe_bitcast[UInt32]()
-    var li = 0
-    while kpart + li * ks < iters:
+    var it = 0
+    while it < iters:
         comptime for u in range(UNROLL):
-            var c = 4 * (kpart + (li + u) * ks) + q
+            var c = 4 * (it + u) + q
             if row_ok and c < nchunks:
                 wv[u] = wp32.unsafe_load[width=4, alignment=16](c * 4)
                 sv[u] = UInt32(srow[unsafe_offset=c])
@@ -223,8 +221,8 @@ def _row_tile_mma[
                 wv[u] = SIMD[DType.uint32, 4](0)
                 sv[u] = 127
         comptime for u in range(UNROLL):
-            if kpart + (li + u) * ks < iters:
-                var c = 4 * (kpart + (li + u) * ks) + q
+            if it + u < iters:
+                var c = 4 * (it + u) + q
                 var sc = sv[u]
                 var pairs = SIMD[DType.uint32, 16](0)
                 # Scales above 128 (weights of magnitude >= 12) need two
@@ -255,47 +253,18 @@ def _row_tile_mma[
                 comptime for j in range(8):
                     var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](pairs[2 * j], pairs[2 * j + 1]))
                     var a = bitcast[DType.bfloat16, 8](SIMD[DType.uint32, 4](ahi[2 * j], 0, ahi[2 * j + 1], 0))
-                    comptime if j % 2 == 0:
-                        mma(acc, a, b, acc)
-                    else:
-                        mma(acc2, a, b, acc2)
+                    mma(acc, a, b, acc)
                     comptime if split:
                         var al = bitcast[DType.bfloat16, 8](
                             SIMD[DType.uint32, 4](alo[2 * j], 0, alo[2 * j + 1], 0)
                         )
-                        comptime if j % 2 == 0:
-                            mma(acc, al, b, acc)
-                        else:
-                            mma(acc2, al, b, acc2)
-        li += UNROLL
-    return acc + acc2
-
-
-@always_inline
-def _reduce_k[
-    ks: Int
-](
-    acc: SIMD[DType.float32, 4],
-    red: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-) -> SIMD[DType.float32, 4]:
-    """Block-wide: sums the fragments of the ks warps of each tile (warps
-    tile * ks + kpart); the kpart-0 warp gets the sum. All threads call it."""
-    comptime if ks == 1:
-        return acc
-    var warp = Int(warp_id())
-    var lane = Int(lane_id())
-    red.unsafe_bitcast[SIMD[DType.float32, 4]]()[warp * 32 + lane] = acc
-    barrier()
-    var total = acc
-    if warp % ks == 0:
-        comptime for k in range(1, ks):
-            total += red.unsafe_bitcast[SIMD[DType.float32, 4]]()[(warp + k) * 32 + lane]
-    barrier()
-    return total
+                        mma(acc, al, b, acc)
+        it += UNROLL
+    return acc
 
 
 def gate_up_kernel[
-    x_dtype: DType, rt: Int, ks: Int
+    x_dtype: DType, warps: Int
 ](
     h: Pointer[Float32, MutAnyOrigin],
     counters: Pointer[UInt32, MutAnyOrigin],
@@ -319,11 +288,10 @@ def gate_up_kernel[
     var rows = Int(rows_)
     var hidden = Int(hidden_)
     comptime split = x_dtype != DType.bfloat16
-    comptime threads = rt * ks * 32
+    comptime threads = warps * 32
     var flags = stack_allocation[MAX_EXPERTS, UInt32, address_space=AddressSpace.SHARED]()
     var plist = stack_allocation[MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
     var meta = stack_allocation[4, Int32, address_space=AddressSpace.SHARED]()
-    var red = stack_allocation[rt * ks * 32 * 4, Float32, address_space=AddressSpace.SHARED, alignment=16]()
     var tid = Int(thread_idx.x)
     if block_idx.x == 0 and block_idx.y == 0:
         for i in range(tid, n_counters, threads):
@@ -335,8 +303,7 @@ def gate_up_kernel[
     var npairs_e = Int(meta[2])
     var nchunks = hidden // 32
     var inter = rows // 2
-    var kpart = Int(warp_id()) % ks
-    var r0 = (Int(block_idx.x) * rt + Int(warp_id()) // ks) * 8
+    var r0 = (Int(block_idx.x) * warps + Int(warp_id())) * 8
     var lane = Int(lane_id())
     var g = lane >> 2
     var q = lane & 3
@@ -353,10 +320,9 @@ def gate_up_kernel[
         var p = Int(plist[first + g]) if has_tok else 0
         var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
         comptime amode = A_F32 if split else A_BF16
-        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, xrow, 0, has_tok, kpart, ks)
-        acc = _reduce_k[ks](acc, red)
+        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, xrow, 0, has_tok)
         var gr = r0 + 2 * q
-        if kpart == 0 and has_tok and gr + 1 < rows:
+        if has_tok and gr + 1 < rows:
             var gate = acc[0] + bias[unsafe_offset=e * rows + gr]
             var up = acc[1] + bias[unsafe_offset=e * rows + gr + 1]
             var v = gptoss_swiglu(gate, up)
@@ -369,7 +335,7 @@ def gate_up_kernel[
 
 
 def down_kernel[
-    out_dtype: DType, rt: Int, ks: Int
+    out_dtype: DType, warps: Int
 ](
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
     partial: Pointer[Float32, MutAnyOrigin],
@@ -387,19 +353,18 @@ def down_kernel[
     inter_: Int64,
 ):
     """output [T, H], partial [pairs, H] f32 scratch, h [pairs, I] f32;
-    counters: one per tile of rt * 8 rows."""
+    counters: one per tile of warps * 8 rows."""
     var n_pairs = Int(n_pairs_)
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
     var hidden = Int(hidden_)
     var inter = Int(inter_)
-    comptime threads = rt * ks * 32
-    comptime tile_rows = rt * 8
+    comptime threads = warps * 32
+    comptime tile_rows = warps * 8
     comptime split = out_dtype != DType.bfloat16
     var flags = stack_allocation[MAX_EXPERTS, UInt32, address_space=AddressSpace.SHARED]()
     var plist = stack_allocation[MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
     var meta = stack_allocation[4, Int32, address_space=AddressSpace.SHARED]()
-    var red = stack_allocation[rt * ks * 32 * 4, Float32, address_space=AddressSpace.SHARED, alignment=16]()
     var tid = Int(thread_idx.x)
     var tokens = n_pairs // top_k
     var rbase = Int(block_idx.x) * tile_rows
@@ -419,8 +384,7 @@ def down_kernel[
         return
     var npairs_e = Int(meta[2])
     var nchunks = inter // 32
-    var kpart = Int(warp_id()) % ks
-    var r0 = rbase + (Int(warp_id()) // ks) * 8
+    var r0 = rbase + Int(warp_id()) * 8
     var lane = Int(lane_id())
     var g = lane >> 2
     var q = lane & 3
@@ -437,9 +401,8 @@ def down_kernel[
         # row p of h: I f32 = I/2 hi pair words, then I/2 lo pair words
         var hrow = hw.unsafe_offset(p * inter)
         comptime amode = A_WORDS_SPLIT if split else A_WORDS
-        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, hrow, inter // 2, has_tok, kpart, ks)
-        acc = _reduce_k[ks](acc, red)
-        if kpart == 0 and has_tok:
+        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, hrow, inter // 2, has_tok)
+        if has_tok:
             var wgt = wts[unsafe_offset=p]
             comptime for z in range(2):
                 var r = r0 + 2 * q + z
@@ -480,7 +443,7 @@ def n_counters(hidden: Int) -> Int:
 
 
 def _launch_gate_up[
-    x_dtype: DType, rt: Int, ks: Int
+    x_dtype: DType, warps: Int
 ](
     ctx: DeviceContext,
     h: Pointer[Float32, MutAnyOrigin],
@@ -498,11 +461,11 @@ def _launch_gate_up[
     hidden: Int,
 ) raises:
     var n_pairs = tokens * top_k
-    ctx.enqueue_function[gate_up_kernel[x_dtype, rt, ks]](
+    ctx.enqueue_function[gate_up_kernel[x_dtype, warps]](
         h, counters, Int64(n_count), x, ids, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
-        grid_dim=((rows + rt * 8 - 1) // (rt * 8), min(n_experts, n_pairs)),
-        block_dim=rt * ks * 32,
+        grid_dim=((rows + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
+        block_dim=warps * 32,
     )
 
 
@@ -528,19 +491,19 @@ def launch_gate_up[
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0")
     if tokens <= FEW_TOKENS:
-        _launch_gate_up[x_dtype, 1, 4](
+        _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW](
             ctx, h, counters, n_count, x, ids, blocks, scales, bias,
             tokens, top_k, n_experts, rows, hidden,
         )
     else:
-        _launch_gate_up[x_dtype, 2, 2](
+        _launch_gate_up[x_dtype, WARPS_MANY](
             ctx, h, counters, n_count, x, ids, blocks, scales, bias,
             tokens, top_k, n_experts, rows, hidden,
         )
 
 
 def _launch_down[
-    out_dtype: DType, rt: Int, ks: Int
+    out_dtype: DType, warps: Int
 ](
     ctx: DeviceContext,
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
@@ -559,11 +522,11 @@ def _launch_down[
     inter: Int,
 ) raises:
     var n_pairs = tokens * top_k
-    ctx.enqueue_function[down_kernel[out_dtype, rt, ks]](
+    ctx.enqueue_function[down_kernel[out_dtype, warps]](
         output, partial, counters, h, ids, wts, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
-        grid_dim=((hidden + rt * 8 - 1) // (rt * 8), min(n_experts, n_pairs)),
-        block_dim=rt * ks * 32,
+        grid_dim=((hidden + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
+        block_dim=warps * 32,
     )
 
 
@@ -592,12 +555,12 @@ def launch_down[
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0")
     if tokens <= FEW_TOKENS:
-        _launch_down[out_dtype, 1, 4](
+        _launch_down[out_dtype, DOWN_WARPS_FEW](
             ctx, output, partial, counters, h, ids, wts, blocks, scales, bias,
             tokens, top_k, n_experts, hidden, inter,
         )
     else:
-        _launch_down[out_dtype, 2, 2](
+        _launch_down[out_dtype, WARPS_MANY](
             ctx, output, partial, counters, h, ids, wts, blocks, scales, bias,
             tokens, top_k, n_experts, hidden, inter,
         )
