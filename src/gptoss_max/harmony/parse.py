@@ -204,8 +204,8 @@ class HarmonyStream:
                 if msg.author.role != Role.ASSISTANT or not text:
                     continue
                 start = classify(msg.channel, msg.recipient)
-                self._open = _Open(start)
-                events += [start] + ([TextDelta(text)] if text else [])
+                self._open = _Open(start, [text])
+                events += [start, TextDelta(text)]
             events += self._close(text, msg, complete)
         return events
 
@@ -216,6 +216,9 @@ class HarmonyStream:
         if msg is None:
             msg = _message_for(opened.start, text)
         self.messages.append(msg)
+        sent = "".join(opened.text)
+        if text != sent and text.startswith(sent):  # held back until the end: an unfinished UTF-8 sequence
+            return [TextDelta(text[len(sent) :]), ItemDone(text, complete)]
         return [ItemDone(text, complete)]
 
 
