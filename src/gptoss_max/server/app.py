@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
 from gptoss_max.server import chat, responses
@@ -46,8 +46,11 @@ _SCHEMA_PREFIX = "gptoss_"
 _BODIES: tuple[type[BaseModel], ...] = (ResponsesRequest, ChatRequest)
 
 
-def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {code: {"model": ErrorBody} for code in (*codes, 401, 503)}
+def _errors(*codes: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    out: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (*codes, 401, 503)}
+    if stream:  # JSON, or server-sent events with "stream": true
+        out[200] = {"content": {"application/json": {}, "text/event-stream": {}}}
+    return out
 
 
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -77,7 +80,8 @@ def _with_body_schemas(app: FastAPI) -> None:
 def build_router(state: ServerState) -> APIRouter:
     api = APIRouter()
 
-    @api.post("/v1/responses", responses=_errors(400, 404, 413, 429), openapi_extra=_json_body(ResponsesRequest))
+    @api.post("/v1/responses", responses=_errors(400, 404, 413, 429, stream=True),
+              openapi_extra=_json_body(ResponsesRequest))
     async def create_response(request: Request) -> Response:
         return await responses.create(request, state)
 
@@ -89,7 +93,8 @@ def build_router(state: ServerState) -> APIRouter:
     async def delete_response(response_id: str) -> dict:
         return await responses.delete(response_id, state)
 
-    @api.post("/v1/chat/completions", responses=_errors(400, 413, 429), openapi_extra=_json_body(ChatRequest))
+    @api.post("/v1/chat/completions", responses=_errors(400, 413, 429, stream=True),
+              openapi_extra=_json_body(ChatRequest))
     async def chat_completions(request: Request) -> Response:
         return await chat.create(request, state)
 
@@ -118,7 +123,7 @@ def build_router(state: ServerState) -> APIRouter:
             return JSONResponse({"status": "draining", "model": state.engine.model_name}, 503)
         return JSONResponse({"status": "ok", "model": state.engine.model_name})
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         """Ours and MAX's serving metrics (both live in prometheus_client's registry)."""
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest

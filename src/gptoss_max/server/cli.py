@@ -164,6 +164,13 @@ def build_max_app(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
     return app, serving
 
 
+def export_api_key(args: argparse.Namespace) -> None:
+    """`--api-key` into the environment, where the server reads the key on each request (as it
+    does a key given there in the first place)."""
+    if args.api_key:
+        os.environ[API_KEY_ENV] = args.api_key
+
+
 def serve_main(args: argparse.Namespace) -> int:
     import uvloop
     from max.serve.api_server import fastapi_config, lifespan, validate_port_is_free
@@ -172,8 +179,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from gptoss_max.server import shutdown
 
-    if args.api_key:  # read per request from the environment, like a key given there
-        os.environ[API_KEY_ENV] = args.api_key
+    export_api_key(args)
     validate_port_is_free(args.port)
     settings = serve_settings(args)
     configure_logging(settings)
