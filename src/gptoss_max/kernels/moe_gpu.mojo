@@ -88,23 +88,6 @@ def _decode_pair(v: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
     return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](bits) * mult)
 
 
-@no_inline
-def _decode_block_big_scale(words: SIMD[DType.uint32, 4], sc: UInt32) -> SIMD[DType.uint32, 16]:
-    """A block's 16 pair words for any scale (two multiplies: 2^126, then
-    2^(s-127)). Out of line so that the hot loop keeps one multiply per
-    pair instead of computing both paths and selecting."""
-    var m1 = UInt32(253) << 7
-    var m2 = sc << 7
-    var mult1 = bitcast[DType.bfloat16, 2](m1 | (m1 << 16))
-    var mult2 = bitcast[DType.bfloat16, 2](m2 | (m2 << 16))
-    var pairs = SIMD[DType.uint32, 16](0)
-    comptime for w in range(4):
-        comptime for s4 in range(4):
-            var d = _decode_pair(words[w] << UInt32(4 * s4), mult1)
-            pairs[4 * w + s4] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
-    return pairs
-
-
 @always_inline
 def _route[
     threads: Int
@@ -251,7 +234,16 @@ def _row_tile_mma[
                         comptime for s4 in range(4):
                             pairs[4 * w + s4] = _decode_pair(wv[u][w] << UInt32(4 * s4), mult)
                 else:
-                    pairs = _decode_block_big_scale(wv[u], sc)
+                    var m1 = UInt32(253) << 7
+                    var m2 = sc << 7
+                    var mult1 = bitcast[DType.bfloat16, 2](m1 | (m1 << 16))
+                    var mult2 = bitcast[DType.bfloat16, 2](m2 | (m2 << 16))
+                    comptime for w in range(4):
+                        comptime for s4 in range(4):
+                            var d = _decode_pair(wv[u][w] << UInt32(4 * s4), mult1)
+                            pairs[4 * w + s4] = bitcast[DType.uint32, 1](
+                                bitcast[DType.bfloat16, 2](d) * mult2
+                            )
                 var ahi = SIMD[DType.uint32, 16](0)
                 var alo = SIMD[DType.uint32, 16](0)
                 if has_tok and c < nchunks:
