@@ -1,8 +1,9 @@
 """The real server (`gptoss-max serve`, MAX's worker, our architecture) with the tiny model.
 
-One server per session: a tiny random checkpoint, CPU, `--max-batch-size 1`. The model is
+One server per session: a tiny random checkpoint, CPU, `--max-batch-size 4`. The model is
 random, so its text is noise; what is checked is everything around it: prompts, parsing,
-usage, the event stream, storage, that a dropped stream frees the worker, and that
+usage, the event stream, storage, that dropped streams stop in MAX's worker and release
+their KV cache (bench/load.py at reduced scale), and that
 structured outputs and forced tool calls are valid (noise made valid only by MAX's grammar
 masking, with reasoning capped at 16 tokens). Compiles a MAX graph (minutes cold), hence `slow`.
 """
@@ -21,6 +22,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from bench_load import load
 from gptoss_max.harmony import messages as hm
 from gptoss_max.harmony.render import TurnSpec, render_prompt
 from reporting import report
@@ -51,7 +53,7 @@ def live(tmp_path_factory):
     subprocess.run([*cli, "make-tiny", str(root / "tiny")], check=True, timeout=300, env=dict(os.environ))
     port, log = _free_port(), root / "server.log"
     args = ["serve", "--model", str(root / "tiny"), "--devices", "cpu", "--port", str(port),
-            "--served-model-name", MODEL, "--max-length", str(CONTEXT), "--max-batch-size", "1",
+            "--served-model-name", MODEL, "--max-length", str(CONTEXT), "--max-batch-size", "4",
             "--store", str(root / "responses.sqlite3"), "--enable-bench",
             "--constrained-reasoning-tokens", "16"]  # fmt: skip
     env = {**os.environ, "GPTOSS_MAX_DATA": str(root / "data")}
@@ -133,12 +135,28 @@ def test_chat_completions(client):
     assert 1 <= out.usage.completion_tokens <= 8
 
 
+def _metric(base: str, name: str) -> float | None:
+    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics", timeout=10).text, re.M)
+    return float(found.group(1)) if found else None
+
+
+def _until(fn, timeout: float, step: float = 0.1):
+    t0 = time.monotonic()
+    while not (value := fn()):
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(step)
+    return value
+
+
 def test_dropped_stream_frees_the_worker(live, client):
+    """A dropped stream's request leaves MAX's worker: its KV blocks are released at once."""
     base, log = live
     t0 = time.monotonic()
     probe = client.responses.create(model=MODEL, input="Go.", max_output_tokens=64, temperature=0)
     per_token = (time.monotonic() - t0) / probe.usage.output_tokens  # an overestimate: prefill
     budget = CONTEXT - _prompt_len("Go on and on.") - 8
+    cancelled = _metric(base, "gptoss_cancelled_total") or 0
+    assert _until(lambda: _metric(base, "gptoss_kv_requests") == 0, 10)
     body = {"model": MODEL, "input": "Go on and on.", "max_output_tokens": budget, "stream": True,
             "temperature": 1.0}  # fmt: skip
     with httpx.stream("POST", f"{base}/v1/responses", json=body, timeout=60) as r:
@@ -146,14 +164,42 @@ def test_dropped_stream_frees_the_worker(live, client):
         for line in r.iter_lines():
             if line.startswith("event: response.in_progress"):  # sent after the first token
                 break
-    # With one batch slot, a generation that kept running would hold it for ~budget tokens.
+        assert _until(lambda: _metric(base, "gptoss_kv_requests") == 1, 5), "the worker holds it while it streams"
+        held = _metric(base, "gptoss_kv_blocks_used")
+        assert held and held > 0
     t1 = time.monotonic()
+    # A generation that kept running would hold its blocks for ~budget tokens.
+    _until(lambda: _metric(base, "gptoss_kv_requests") == 0 and _metric(base, "gptoss_kv_blocks_used") == 0,
+           per_token * budget / 4)  # fmt: skip
+    released = time.monotonic() - t1
+    assert _metric(base, "gptoss_cancelled_total") >= cancelled + 1
     after = client.responses.create(model=MODEL, input="Quick.", max_output_tokens=4)
-    waited = time.monotonic() - t1
     assert after.status in ("completed", "incomplete")
-    assert waited < per_token * budget / 4, (waited, per_token * budget, _tail(log, 20))
-    metrics = httpx.get(f"{base}/metrics").text
-    assert float(re.search(r"^gptoss_cancelled_total (\S+)$", metrics, re.M).group(1)) >= 1
+    report("disconnect", f"tiny model, CPU: a dropped stream's {held:.0f} KV blocks released {released:.2f} s "
+                         f"after the drop (the full generation: ~{per_token * budget:.0f} s)")  # fmt: skip
+
+
+def test_load_and_disconnects_at_reduced_scale(live):
+    """bench/load.py against the real server: 16 streams, then 12 clients dropping mid-stream."""
+    base, _ = live
+    r = load.run(base, n=16, max_output_tokens=16, json_answer=True, timeout=300)
+    assert r["improper_errors"] == 0 and r["ok"], r
+    assert set(r["outcomes"]) <= {"completed", "incomplete"} and sum(r["outcomes"].values()) == 16
+    assert r["ttft_ms"]["n"] == 16 and r["itl_ms"]["n"] > 16 and r["tpot_ms"]["n"] > 0
+    assert r["kv"]["peak"]["gptoss_kv_requests"] >= 2, "streams ran side by side in the worker"
+    d = load.run(base, n=12, drop=12, max_output_tokens=1500, json_answer=True, timeout=300)
+    assert d["outcomes"] == {"dropped": 12} and d["improper_errors"] == 0
+    assert d["cancelled"] == 12, "each dropped stream was cancelled"
+    kv = d["kv"]
+    assert kv["peak"]["gptoss_kv_requests"] >= 2 and kv["peak"]["gptoss_kv_blocks_used"] > 0
+    assert kv["released_after_s"] is not None and kv["released_after_s"] < 10
+    assert kv["after"]["gptoss_kv_requests"] == 0 and kv["after"]["gptoss_kv_blocks_used"] == 0
+    assert d["after_run"]["health"] == 200 and d["ok"]
+    report("load", f"tiny model, CPU, batch 4: 16 streams TTFT p50 {r['ttft_ms']['p50']} ms p99 {r['ttft_ms']['p99']} "
+                   f"ms, ITL p50 {r['itl_ms']['p50']} ms p99 {r['itl_ms']['p99']} ms, errors "
+                   f"{r['errors_by_kind'] or 'none'}; 12 dropping: cancelled {d['cancelled']:.0f}, KV peak "
+                   f"{kv['peak']}, after {kv['after']}, released {kv['released_after_s']} s after the last "
+                   "client")  # fmt: skip
 
 
 STRUCTURED = list(SCHEMAS)[:20]
