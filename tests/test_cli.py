@@ -36,5 +36,5 @@ def test_make_tiny_then_generate(tmp_path):
 
 def test_help_lists_commands():
     out = run_cli("--help")
-    for cmd in ("make-tiny", "generate", "serve"):
+    for cmd in ("make-tiny", "make-checkpoint", "generate", "serve", "bench"):
         assert cmd in out

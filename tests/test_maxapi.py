@@ -62,3 +62,29 @@ def test_children_stay_in_this_environment():
 
     child = subprocess.run([sys.executable, "-c", "import gptoss_max"], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr
+
+
+def test_benchmark_and_synthetic_weight_pieces():
+    """What e2e.py, memory.py, stock.py and the synthetic weights rely on."""
+    import dataclasses
+
+    import numpy as np
+    from max.driver import Buffer
+    from max.dtype import DType
+    from max.pipelines.lib.interfaces.pipeline_model import PipelineModel
+    from max.pipelines.lib.pipeline_variants.overlap_text_generation import OverlapTextGenerationPipeline
+
+    assert maxapi.Signals.NUM_BYTES > 0  # reserved for gpt_oss even on one device
+    assert maxapi.GptOssMemoryPlanner._always_signal_buffers
+    assert "batches" in inspect.signature(maxapi.TextGenerationInputs).parameters
+    assert "max_batch_input_tokens" in maxapi.PipelineRuntimeConfig.model_fields
+    # The synthetic weights hand MAX bf16 buffers as views of uint16 bit patterns.
+    bits = np.array([0x3F80, 0x4000], dtype=np.uint16)
+    assert Buffer.from_numpy(bits).view(DType.bfloat16).dtype == DType.bfloat16
+    # Both architectures' weights arrive through PipelineModel._load_state_dict(self.weights, self.adapter).
+    assert "self.weights.items()" in inspect.getsource(PipelineModel._load_state_dict)
+    # stock.py swaps only the pipeline model of MAX's own gpt_oss architecture.
+    assert "pipeline_model" in {f.name for f in dataclasses.fields(maxapi.stock_gpt_oss_arch)}
+    # --graph-capture: MAX's overlap pipeline captures decode graphs in warmup_graph_capture().
+    assert callable(OverlapTextGenerationPipeline.warmup_graph_capture)
+    assert isinstance(maxapi.GptOssModel.model, property)  # what the capture runner replays

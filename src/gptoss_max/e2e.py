@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import logging
 import os
 import re
 import shlex
@@ -83,7 +84,9 @@ class PeakMemory:
     """Peak device memory in use while it runs: nvidia-smi every 0.2 s, else MAX's device stats."""
 
     def __init__(self, gpu: bool):
-        self.gpu, self.peak, self.source = gpu, None, None
+        self.gpu = gpu
+        self.peak: int | None = None
+        self.source: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -138,15 +141,15 @@ def measure_bandwidth(gpu: bool, nbytes: int = 1 << 30, iters: int = 20) -> dict
     try:
         import torch
 
-        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
         for _ in range(3):
-            b.copy_(a)
+            dst.copy_(src)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            b.copy_(a)
+            dst.copy_(src)
         end.record()
         torch.cuda.synchronize()
         return {"bytes_per_s": 2 * nbytes * iters / (start.elapsed_time(end) / 1e3), "method": "torch cuda copy_"}
@@ -224,9 +227,10 @@ def run_batch(engine: Any, batch_prompts: list[list[int]], output_len: int, budg
         outputs = pipeline.execute(maxapi.TextGenerationInputs(batches=[batch]))
         now = time.perf_counter()
         for rid, out in outputs.items():
-            row = index.get(rid)
-            if row is None or row not in live:
+            hit = index.get(rid)
+            if hit is None or hit not in live:
                 continue
+            row = hit
             n = len(out.tokens)
             if n:
                 first.setdefault(row, now)
@@ -271,6 +275,8 @@ def run_batch(engine: Any, batch_prompts: list[list[int]], output_len: int, budg
 def worker(args: argparse.Namespace) -> int:
     from gptoss_max.engine import Engine, EngineOptions, uses_gpu
 
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("max.pipelines").setLevel(logging.INFO)  # compile times and the memory plan, in the log
     out = Path(args.worker_out)
     result: dict[str, Any] = {
         "arch": args.arch,
@@ -359,13 +365,17 @@ def _spec_of(model: str) -> tuple[ModelSpec, bool, SyntheticModel | None]:
 
 
 def _tail_reason(text: str) -> str:
-    """The most telling line of a failed worker's output."""
+    """The most telling lines of a failed worker's output (a compiler's failed constraint and its
+    final error, or the exception), at most 400 characters."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for pattern in (r"^error:", r"Error:", r"constraint failed", r"Exception", r"error"):
+    picked: list[str] = []
+    for pattern in (r"constraint failed", r"^error:", r"\w+(Error|Exception)\b:", r"[Ee]rror"):
         hits = [ln for ln in lines if re.search(pattern, ln)]
-        if hits:
-            return hits[-1][:400]
-    return (lines[-1] if lines else "no output")[:400]
+        if hits and hits[-1] not in picked:
+            picked.append(hits[-1])
+        if len(picked) == 2:
+            break
+    return " | ".join(picked or lines[-1:] or ["no output"])[:400]
 
 
 def run_worker(

@@ -93,3 +93,116 @@ def compare(ours: np.ndarray, ref: np.ndarray, margin: float = 0.05) -> Agreemen
         clear_steps=int(clear.sum()),
         argmax_agree_clear=float(agree[clear].mean()) if clear.any() else float("nan"),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Full-size reference without files: transformers' GptOssForCausalLM built in memory from a
+# synthetic model's weights, bf16 on the device (a 20b is ~42 GB); a float32 forward upcasts one
+# decoder layer at a time (bf16 and dequantized MXFP4 values are exact in float32), so it equals
+# transformers' float32 run of the same checkpoint without holding 84 GB.
+
+
+def mxfp4_dequantize(blocks: Any, scales: Any) -> Any:
+    """torch: `blocks [..., nb, 16] u8`, `scales [..., nb] u8` -> float32 `[..., nb * 32]`
+    (the same values as `mxfp4.decode`; on whatever device the tensors are)."""
+    import torch
+
+    from gptoss_max import mxfp4
+
+    lut = torch.tensor(mxfp4.E2M1_VALUES, device=blocks.device)
+    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    vals = vals.reshape(*blocks.shape[:-1], mxfp4.BLOCK)
+    vals = vals * torch.exp2(scales.to(torch.float32) - mxfp4.E8M0_BIAS)[..., None]
+    return vals.reshape(*scales.shape[:-1], scales.shape[-1] * mxfp4.BLOCK)
+
+
+def synthetic_reference(model: Any, device: str = "cpu", threads: int | None = None) -> Any:
+    """transformers' GptOssForCausalLM holding `model`'s (a `SyntheticModel`) weights in bf16 on
+    `device`, generated layer by layer (host RAM: one layer). MXFP4 experts are dequantized as
+    transformers dequantizes them (decode, then [E, out, in] -> [E, in, out]); eager attention."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from gptoss_max.synthetic import generate_arrays, tensor_plans
+
+    spec = model.spec
+    config = GptOssConfig.from_dict(spec.to_hf(mxfp4_experts=False))
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        ref = GptOssForCausalLM(config)
+    plans = tensor_plans(spec, model.mxfp4_experts)
+    groups: dict[str, list[Any]] = {}
+    for p in plans:
+        key = p.name.split(".")[2] if p.name.startswith("model.layers.") else "rest"
+        groups.setdefault(key, []).append(p)
+    state: dict[str, Any] = {}
+    for group in groups.values():
+        arrays = generate_arrays(spec, model.seed, model.mxfp4_experts, threads, progress=False, plans=group)
+        for name, (arr, dtype) in arrays.items():
+            t = torch.from_numpy(arr).to(device)
+            if dtype == "BF16":
+                state[name] = t.view(torch.bfloat16)
+            elif name.endswith("_blocks"):
+                scales = torch.from_numpy(arrays[name.replace("_blocks", "_scales")][0]).to(device)
+                dense = mxfp4_dequantize(t, scales).to(torch.bfloat16)
+                state[name.replace("_blocks", "")] = dense.transpose(1, 2).contiguous()
+        del arrays
+    ref.load_state_dict(state, strict=True, assign=True)
+    ref.model.rotary_emb = type(ref.model.rotary_emb)(config=config, device=device)
+    left = [n for n, t in [*ref.named_parameters(), *ref.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"reference tensors never loaded: {left[:5]}")
+    return ref.eval()
+
+
+def reference_forward(ref: Any, ids: list[int], dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """Logits `[len(ids), V]` of a bf16 reference run in `dtype` (float32: decoder layers upcast
+    one at a time, embeddings, norm and LM head for good), and the router's top-k expert ids
+    `[layers, len(ids), k]`."""
+    import torch
+
+    device = next(ref.parameters()).device
+    routed: list[Any] = []
+    hooks = []
+    if dtype == "float32":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        for module in (ref.model.embed_tokens, ref.model.norm, ref.lm_head):
+            module.float()
+        for layer in ref.model.layers:
+            saved: dict[str, Any] = {}
+
+            def upcast(mod: Any, _args: Any, saved: dict[str, Any] = saved) -> None:
+                for name, p in mod.named_parameters():
+                    saved[name] = p.data
+                    p.data = p.data.float()
+
+            def restore(mod: Any, _args: Any, _out: Any, saved: dict[str, Any] = saved) -> None:
+                for name, p in mod.named_parameters():
+                    p.data = saved.pop(name)
+
+            hooks += [layer.register_forward_pre_hook(upcast), layer.register_forward_hook(restore)]
+    for layer in ref.model.layers:
+        hooks.append(layer.mlp.router.register_forward_hook(lambda _m, _a, out: routed.append(out[2].cpu())))
+    try:
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids], device=device)).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+        for module in (ref.model.embed_tokens, ref.model.norm, ref.lm_head):
+            module.to(torch.bfloat16)  # exact: their values came from bf16
+    return logits.float().cpu().numpy(), torch.stack(routed).numpy()
+
+
+def routing_balance(expert_ids: np.ndarray, experts: int) -> dict[str, float]:
+    """Per-layer spread of tokens over experts from `[layers, tokens, k]` top-k ids: the worst
+    layer's share of experts used, max/mean load, and load entropy / log(experts)."""
+    used, peak, entropy = [], [], []
+    for layer in expert_ids:
+        load = np.bincount(layer.reshape(-1), minlength=experts).astype(np.float64)
+        p = load / load.sum()
+        used.append(float((load > 0).mean()))
+        peak.append(float(load.max() / load.mean()))
+        entropy.append(float(-(p[p > 0] * np.log(p[p > 0])).sum() / np.log(experts)))
+    return {"experts_used_min": min(used), "max_over_mean_load_max": max(peak), "entropy_min": min(entropy)}

@@ -270,8 +270,8 @@ def generate_arrays(
 
 def stream_tensor_bytes(
     plans: list[TensorPlan], seed: int, threads: int | None = None
-) -> Iterator[tuple[TensorPlan, bytes | memoryview]]:
-    """Each plan's bytes, chunk by chunk in file order; at most ~4 chunks per thread in flight."""
+) -> Iterator[tuple[TensorPlan, np.ndarray]]:
+    """Each plan's stored values, chunk by chunk in file order; at most ~4 chunks per thread in flight."""
     n = threads or threads_default()
     with ThreadPoolExecutor(n) as pool:
         pending: deque[tuple[TensorPlan, Future[np.ndarray]]] = deque()
@@ -280,10 +280,10 @@ def stream_tensor_bytes(
             pending.append((p, pool.submit(chunk_values, p.name, p.dist, seed, c, u)))
             if len(pending) >= 4 * n:
                 plan, fut = pending.popleft()
-                yield plan, memoryview(fut.result()).cast("B")
+                yield plan, fut.result()
         while pending:
             plan, fut = pending.popleft()
-            yield plan, memoryview(fut.result()).cast("B")
+            yield plan, fut.result()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,8 +345,8 @@ def write_checkpoint(
         with open(out / name, "wb") as fh:
             fh.write(head)
             for _plan, data in stream_tensor_bytes(part, seed, threads):
-                fh.write(data)
-                bar.update(len(data))
+                fh.write(data.data)
+                bar.update(data.nbytes)
     bar.close()
     if len(shards) > 1:
         index = {

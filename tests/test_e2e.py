@@ -1,0 +1,102 @@
+"""`gptoss-max bench` (e2e.py): its pieces, its failure handling, and a CPU smoke run on synthetic:tiny."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gptoss_max import e2e, memory
+from gptoss_max.config import PRESETS
+from gptoss_max.synthetic import SyntheticModel
+
+
+def test_prefill_waves_respect_the_token_budget():
+    assert e2e.waves([1024] * 64, 8192) == [list(range(k, k + 8)) for k in range(0, 64, 8)]
+    assert e2e.waves([1024], 8192) == [[0]]
+    assert e2e.waves([9000, 10, 10], 8192) == [[0], [1, 2]]  # an oversized prompt still goes, alone
+
+
+def test_device_names_and_rows_merge():
+    assert e2e.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert e2e.device_slug("NVIDIA H200") == "h200"
+    assert e2e.device_slug(None) == "cpu"
+    old = [{"model": "m", "batch": 1, "graph_capture": False, "ours_tok_s": 1.0},
+           {"model": "m", "batch": 8, "graph_capture": False, "ours_tok_s": 2.0}]  # fmt: skip
+    new = [{"model": "m", "batch": 1, "graph_capture": False, "ours_tok_s": 3.0},
+           {"model": "m", "batch": 1, "graph_capture": True, "ours_tok_s": 4.0}]  # fmt: skip
+    merged = e2e.merge_rows(old, new)
+    assert [(r["batch"], r["graph_capture"], r["ours_tok_s"]) for r in merged] == [(1, False, 3.0), (8, False, 2.0),
+                                                                                  (1, True, 4.0)]  # fmt: skip
+    table = e2e.markdown_table({"device": "NVIDIA H100", "date": "2026-11-21", "rows": merged})
+    assert "NVIDIA H100, 2026-11-21" in table and table.count("\n| m |") == 3
+
+
+def test_stock_variants():
+    args = argparse.Namespace(gpu=True, model="synthetic:20b")
+    assert e2e._stock_variants(args, SyntheticModel("20b"), True) == [
+        ("float4_e2m1fnx2", "synthetic:20b"),
+        ("bfloat16", "synthetic:20b,seed=0,experts=bf16"),
+    ]
+    args.model = "synthetic:120b"
+    assert e2e._stock_variants(args, SyntheticModel("120b"), True) == [("float4_e2m1fnx2", "synthetic:120b")]
+    args.gpu = False
+    assert e2e._stock_variants(args, SyntheticModel("120b"), True) == [("float32", "synthetic:120b")]
+
+
+def _args(**kw):
+    base = dict(device="cpu", prompt_len=8, output_len=2, warmup_tokens=0, batch=[1], max_length=None,
+                max_batch_input_tokens=None, kv_memory_fraction=None)  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_a_failing_pipeline_is_a_null_row_with_its_reason(tmp_path):
+    """What the stock pipeline gets on Hopper: the worker fails (or hangs past its timeout); the row
+    keeps our numbers and says why MAX's are missing."""
+    res = e2e.run_worker(_args(), "stock", str(tmp_path / "no-such-model"), None, False, 120, tmp_path)
+    assert res["error"].startswith("exit 1: ") and "no-such-model" in res["error"], res["error"]
+    hung = e2e.run_worker(_args(), "stock", "synthetic:tiny", None, False, 0.4, tmp_path)
+    assert hung["error"].startswith("timed out after 0 s")
+    args = _args(batch=[1, 8], gpu=True, encoding=None)
+    ours = {False: {"batches": [{"batch": 1, "decode_tok_s": 10.0, "ttft_ms": 5.0, "tpot_ms": 0.1}]}}
+    rows = e2e._rows("synthetic:20b", PRESETS["20b"], True, args, 3e12, ours, {"float4_e2m1fnx2": res})
+    assert [set(e2e.ROW_FIELDS) <= set(r) for r in rows] == [True, True]
+    assert rows[0]["ours_tok_s"] == 10.0 and rows[0]["max_stock_tok_s"] is None
+    assert rows[0]["max_stock_error"].startswith("float4_e2m1fnx2: exit 1")
+    assert rows[0]["roofline_tok_s"] == pytest.approx(
+        3e12 / memory.decode_step_bytes(PRESETS["20b"], True, 1, 1)["total"], rel=0.02
+    )
+    assert rows[1]["ours_tok_s"] is None
+
+
+@pytest.mark.slow
+def test_bench_smoke_on_cpu(tmp_path):
+    """`gptoss-max bench` as a user runs it, at CI size: synthetic:tiny on the CPU, batch 1 and 2."""
+    cmd = [sys.executable, "-m", "gptoss_max.cli", "bench", "--model", "synthetic:tiny", "--device", "cpu",
+           "--batch", "1", "2", "--prompt-len", "40", "--output-len", "6", "--max-length", "1024", "--stock", "off",
+           "--out", str(tmp_path), "--keep-logs"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    path = tmp_path / f"e2e_cpu_{datetime.date.today():%Y%m%d}.json"
+    result = json.loads(path.read_text())
+    assert result["device"] == "cpu" and "bench --model synthetic:tiny" in result["command"]
+    rows = result["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(e2e.ROW_FIELDS) <= set(r)
+        assert r["ours_tok_s"] > 0 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["roofline_tok_s"] > 0
+        assert r["max_stock_tok_s"] is None and r["max_stock_error"] == "not run" and r["graph_capture"] is False
+    (run,) = result["runs"].values()
+    worker = run["workers"]["ours"]
+    assert [b["tokens_per_row_min"] for b in worker["batches"]] == [6, 6]  # EOS ignored: every row runs out
+    assert worker["kv_bytes_per_token"] == memory.kv_bytes_per_token(PRESETS["tiny"], 4)  # MAX's cache = our plan
+    assert worker["memory_plan"]["kv_cache_bytes"] > 0
+    assert run["memory_plan"]["per_batch"]["1"]["weights_bytes"] == sum(
+        memory.weight_bytes(PRESETS["tiny"], True, 4).values()
+    )
+    assert "| synthetic:tiny | 2 | no |" in proc.stdout
