@@ -100,3 +100,5 @@ def test_bench_smoke_on_cpu(tmp_path):
         memory.weight_bytes(PRESETS["tiny"], True, 4).values()
     )
     assert "| synthetic:tiny | 2 | no |" in proc.stdout
+    (logs,) = tmp_path.glob("e2e_logs_cpu_*.tar.gz")  # --keep-logs: one file
+    assert logs.stat().st_size > 0

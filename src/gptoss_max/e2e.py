@@ -33,6 +33,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -325,8 +326,9 @@ def worker(args: argparse.Namespace) -> int:
     save()
     budget = args.max_batch_input_tokens or 8192
     for b in args.batch:
-        if args.warmup_tokens:
-            run_batch(engine, prompts(b, args.prompt_len, 1000 + b), args.warmup_tokens, budget)
+        if args.warmup_tokens:  # first-use costs; a full-length prompt only where TTFT is the figure (batch 1)
+            warm_len = args.prompt_len if b == 1 else min(args.prompt_len, 64)
+            run_batch(engine, prompts(b, warm_len, 1000 + b), args.warmup_tokens, budget)
         with monitor:
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
         row["peak_memory_bytes"] = monitor.peak
@@ -426,7 +428,9 @@ def run_worker(
     t0 = time.perf_counter()
     error = None
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+        env = dict(os.environ)  # the package as this process found it (bench/e2e.py runs uninstalled)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
             if rc != 0:
@@ -440,7 +444,8 @@ def run_worker(
     result["log"] = log.name
     if error:
         result["error"] = error
-        print(f"<-- {tag} failed: {error}", flush=True)
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        print(f"<-- {tag} failed: {error}\n    " + "\n    ".join(tail), flush=True)
     return result
 
 
@@ -582,7 +587,16 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"e2e_{device_slug(name)}_{date:%Y%m%d}.json"
-    log_dir = Path(tempfile.mkdtemp(prefix="e2e_", dir=out_dir if args.keep_logs else None))
+    log_dir = Path(tempfile.mkdtemp(prefix="e2e_"))
+    t_start = time.perf_counter()
+
+    def budget(timeout: float | None) -> float | None:
+        """A worker's timeout: its own, cut to what --deadline leaves (minus time to write up)."""
+        if args.deadline is None:
+            return timeout
+        left = max(1.0, args.deadline - (time.perf_counter() - t_start) - 15)
+        return left if timeout is None else min(timeout, left)
+
     result: dict[str, Any] = {
         "device": name or "cpu",
         "date": date.isoformat(),
@@ -596,7 +610,7 @@ def run(args: argparse.Namespace) -> int:
         prev = json.loads(Path(old).read_text())
         result["rows"] = merge_rows(result["rows"], prev.get("rows", []))
         result["runs"].update(prev.get("runs", {}))
-    bw = run_worker(args, "bandwidth", args.model, None, False, 300, log_dir)
+    bw = run_worker(args, "bandwidth", args.model, None, False, budget(300), log_dir)
     bandwidth = (bw.get("bandwidth") or {}).get("bytes_per_s")
     run_key = f"{args.model} {args.encoding or 'default'}"
     run_info: dict[str, Any] = {"bandwidth": bw.get("bandwidth"), "workers": {}}
@@ -611,19 +625,25 @@ def run(args: argparse.Namespace) -> int:
     ours: dict[bool, dict[str, Any]] = {}
     stock: dict[str, dict[str, Any]] = {}
     for gc in {"off": [False], "on": [True], "both": [False, True]}[args.graph_capture]:
-        res = run_worker(args, "ours", args.model, args.encoding, gc, args.timeout, log_dir)
+        res = run_worker(args, "ours", args.model, args.encoding, gc, budget(args.timeout), log_dir)
         ours[gc] = res
         run_info["workers"][f"ours{'-graphs' if gc else ''}"] = res
         save(ours, stock)
     if args.stock == "on" or (args.stock == "auto" and args.gpu):
         for enc, model in _stock_variants(args, synthetic, mxfp4):
-            res = run_worker(args, "stock", model, enc, False, args.stock_timeout, log_dir)
+            res = run_worker(args, "stock", model, enc, False, budget(args.stock_timeout), log_dir)
             stock[enc] = res
             run_info["workers"][f"stock-{enc}"] = res
             save(ours, stock)
     save(ours, stock)
     print(markdown_table(result))
     print(f"wrote {path}")
+    if args.keep_logs:  # one file: a device machine may return only a few
+        logs = out_dir / f"e2e_logs_{device_slug(name)}_{date:%Y%m%d}_{int(time.time())}.tar.gz"
+        with tarfile.open(logs, "w:gz") as tar:
+            tar.add(log_dir, arcname=logs.name.removesuffix(".tar.gz"))
+        print(f"wrote {logs}")
+    shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 
@@ -690,7 +710,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="bench/results", help="directory for e2e_<gpu>_<yyyymmdd>.json")
     p.add_argument("--merge", nargs="*", default=None, help="earlier e2e JSON files whose rows this run's file keeps")
-    p.add_argument("--keep-logs", action="store_true", help="keep each worker's log and JSON under --out")
+    p.add_argument("--keep-logs", action="store_true", help="also write the workers' logs as one .tar.gz under --out")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds for the whole run: workers are cut (keeping what they measured) to end in time",
+    )
     p.add_argument(
         "--plan", action="store_true", help="print the memory plan and roofline bytes only (no device needed)"
     )
