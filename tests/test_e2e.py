@@ -102,3 +102,19 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert "| synthetic:tiny | 2 | no |" in proc.stdout
     (logs,) = tmp_path.glob("e2e_logs_cpu_*.tar.gz")  # --keep-logs: one file
     assert logs.stat().st_size > 0
+
+
+def test_merge_only_folds_device_calls_into_one_file(tmp_path, capsys):
+    def run_file(name: str, rows: list[dict]) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-22", "prompt_len": 1024,
+                                    "output_len": 256, "command": name, "rows": rows, "runs": {name: {}}}))  # fmt: skip
+        return str(path)
+
+    a = run_file("a.json", [{"model": "synthetic:20b", "batch": 1, "graph_capture": False, "ours_tok_s": 1.0}])
+    b = run_file("b.json", [{"model": "synthetic:120b", "batch": 1, "graph_capture": False, "ours_tok_s": 2.0}])
+    assert e2e.main(["--merge-only", "--merge", a, b, "--out", str(tmp_path / "out")]) == 0
+    merged = json.loads((tmp_path / "out" / "e2e_h100_20261122.json").read_text())
+    assert [r["model"] for r in merged["rows"]] == ["synthetic:120b", "synthetic:20b"]
+    assert merged["commands"] == ["a.json", "b.json"] and set(merged["runs"]) == {"a.json", "b.json"}
+    assert "NVIDIA H100 80GB HBM3, 2026-11-22" in capsys.readouterr().out

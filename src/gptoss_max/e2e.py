@@ -572,8 +572,29 @@ def print_plans(spec: ModelSpec, mxfp4: bool, args: argparse.Namespace, device_f
     return {"per_batch": plans, "batch1_decode_step_bytes": step1}
 
 
+def merge_only(args: argparse.Namespace) -> int:
+    """Several runs' files (e.g. one device call each) -> one e2e_<gpu>_<date>.json and its table."""
+    files = [json.loads(Path(f).read_text()) for f in args.merge]
+    result = {k: files[0].get(k) for k in ("device", "date", "prompt_len", "output_len")}
+    result.update(commands=[f.get("command") for f in files], rows=[], runs={})
+    for f in files:
+        result["rows"] = merge_rows(result["rows"], f.get("rows", []))
+        result["runs"].update(f.get("runs", {}))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    date = str(result["date"]).replace("-", "")
+    path = out / f"e2e_{device_slug(None if result['device'] == 'cpu' else result['device'])}_{date}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(markdown_table(result))
+    print(f"wrote {path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from gptoss_max.engine import uses_gpu
+
+    if args.merge_only:
+        return merge_only(args)
 
     spec, mxfp4, synthetic = _spec_of(args.model)
     free_gib = args.gpu_memory_gib or DEFAULT_GPU_FREE_GIB
@@ -710,6 +731,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="bench/results", help="directory for e2e_<gpu>_<yyyymmdd>.json")
     p.add_argument("--merge", nargs="*", default=None, help="earlier e2e JSON files whose rows this run's file keeps")
+    p.add_argument("--merge-only", action="store_true", help="only merge the --merge files into --out (no run)")
     p.add_argument("--keep-logs", action="store_true", help="also write the workers' logs as one .tar.gz under --out")
     p.add_argument(
         "--deadline",
