@@ -88,3 +88,36 @@ def test_benchmark_and_synthetic_weight_pieces():
     # --graph-capture: MAX's overlap pipeline captures decode graphs in warmup_graph_capture().
     assert callable(OverlapTextGenerationPipeline.warmup_graph_capture)
     assert isinstance(maxapi.GptOssModel.model, property)  # what the capture runner replays
+
+
+def test_kv_occupancy_reads_max_kv_managers():
+    """The KV figures /metrics shows come through maxapi.kv_occupancy: MAX's public
+    block_count() and, for the request count, the manager tables MAX 26.7 keeps."""
+    import inspect
+
+    from gptoss_max import maxapi
+
+    class Count:
+        used, total = 3, 10
+
+    class Jenga:
+        _requests = {"a": 1, "b": 2}
+
+        def block_count(self, replica):
+            assert replica == 0
+            return Count()
+
+    class Paged:
+        class _block_manager:  # noqa: N801
+            req_to_replica = {"a": 0}
+
+        def block_count(self, replica):
+            return Count()
+
+    assert maxapi.kv_occupancy(Jenga()) == (3, 10, 2)
+    assert maxapi.kv_occupancy(Paged()) == (3, 10, 1)
+    # the public count exists on MAX's managers under that name
+    from max.pipelines import kv_cache
+
+    names = {n for n, obj in inspect.getmembers(kv_cache) if inspect.isclass(obj) and hasattr(obj, "block_count")}
+    assert names, "no MAX KV manager class has block_count() any more"

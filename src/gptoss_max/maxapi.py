@@ -8,6 +8,7 @@ Pinned: max==26.7.0.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # P2P signal buffers, which MAX reserves for gpt_oss even on one GPU (memory.py's plan).
 from max.nn.comm import Signals
@@ -37,7 +38,27 @@ from max.pipelines.modeling.types import RequestID, TextGenerationInputs, TextGe
 # process (MAX's own model worker included) would start outside this virtualenv. Undo it.
 os.unsetenv("PYTHONEXECUTABLE")
 
+
+
+def kv_occupancy(kv_manager: Any) -> tuple[int, int, int | None]:
+    """(used blocks, total blocks, requests holding blocks) of a pipeline's KV manager.
+
+    The block counts are MAX's public `block_count(replica)`. MAX 26.7 keeps no public count of
+    the requests holding blocks, so that one reads its own tables: `_requests` of the Jenga
+    manager (gpt-oss's, with its sliding-window layers) or the paged manager's
+    `_block_manager.req_to_replica`; None if neither exists (a MAX upgrade moved them)."""
+    count = kv_manager.block_count(0)
+    requests = None
+    for owner, name in ((kv_manager, "_requests"), (getattr(kv_manager, "_block_manager", None), "req_to_replica")):
+        table = getattr(owner, name, None)
+        if isinstance(table, dict):
+            requests = len(table)
+            break
+    return int(count.used), int(count.total), requests
+
+
 __all__ = [
+    "kv_occupancy",
     "PIPELINE_REGISTRY",
     "GenerateIterator",
     "KVCacheConfig",

@@ -24,26 +24,12 @@ from typing import Any
 logger = logging.getLogger("gptoss_max.server")
 
 
-def _claims(kv_manager: Any) -> int | None:
-    """Requests the manager holds blocks for: MAX 26.7 keeps no public count, so its own tables,
-    `_requests` of the Jenga manager (gpt-oss's, with its sliding-window layers) or the paged
-    manager's `_block_manager.req_to_replica`."""
-    for owner, name in ((kv_manager, "_requests"), (getattr(kv_manager, "_block_manager", None), "req_to_replica")):
-        table = getattr(owner, name, None)
-        if isinstance(table, dict):
-            return len(table)
-    return None
-
-
 def snapshot(kv_manager: Any) -> dict[str, Any]:
-    """The manager's occupancy now: MAX's `block_count()` and the requests holding blocks."""
-    count = kv_manager.block_count(0)
-    return {
-        "used_blocks": int(count.used),
-        "total_blocks": int(count.total),
-        "requests": _claims(kv_manager),
-        "time": time.time(),
-    }
+    """The manager's occupancy now (read through the MAX adapter, `maxapi.kv_occupancy`)."""
+    from gptoss_max.maxapi import kv_occupancy
+
+    used, total, requests = kv_occupancy(kv_manager)
+    return {"used_blocks": used, "total_blocks": total, "requests": requests, "time": time.time()}
 
 
 def _publish(kv_manager: Any, path: Path, interval: float) -> None:
