@@ -139,10 +139,10 @@ def synthetic_reference(model: Any, device: str = "cpu", threads: int | None = N
     for group in groups.values():
         arrays = generate_arrays(spec, model.seed, model.mxfp4_experts, threads, progress=False, plans=group)
         for name, (arr, dtype) in arrays.items():
-            t = torch.from_numpy(arr).to(device)
-            if dtype == "BF16":
-                state[name] = t.view(torch.bfloat16)
+            if dtype == "BF16":  # bit patterns; int16 is the 2-byte integer torch supports everywhere
+                state[name] = torch.from_numpy(arr.view(np.int16)).to(device).view(torch.bfloat16)
             elif name.endswith("_blocks"):
+                t = torch.from_numpy(arr).to(device)
                 scales = torch.from_numpy(arrays[name.replace("_blocks", "_scales")][0]).to(device)
                 dense = mxfp4_dequantize(t, scales).to(torch.bfloat16)
                 state[name.replace("_blocks", "")] = dense.transpose(1, 2).contiguous()
