@@ -195,3 +195,20 @@ def test_make_checkpoint_command(tmp_path, capsys):
     )
     assert not validate(PRESETS["tiny"], read_index(tmp_path / "b"))  # bf16 experts, one file
     assert (tmp_path / "b" / "model.safetensors").exists()
+
+
+def test_every_model_flag_takes_a_synthetic_spec():
+    """generate (cli.resolve_model), serve (server.cli.pipeline_args) and the engine all map
+    `synthetic:...` to the materialized directory."""
+    import argparse
+
+    from gptoss_max.cli import resolve_model
+    from gptoss_max.engine import EngineOptions, pipeline_args
+    from gptoss_max.server.cli import pipeline_args as serve_pipeline_args
+
+    want = str(SyntheticModel("tiny", seed=9).directory())
+    assert resolve_model("synthetic:tiny,seed=9", on_gpu=False) == want
+    assert pipeline_args(EngineOptions(model="synthetic:tiny,seed=9", device="cpu")).model_path == want
+    serve = argparse.Namespace(model="synthetic:tiny,seed=9", devices="cpu", max_length=512, max_batch_size=1,
+                               served_model_name=None)  # fmt: skip
+    assert serve_pipeline_args(serve).model_path == want

@@ -335,7 +335,7 @@ def worker(args: argparse.Namespace) -> int:
         result["batches"].append(row)
         print(
             f"[{args.arch}{' graph-capture' if args.worker_graph_capture else ''}] batch {b}: "
-            f"{row['decode_tok_s']:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms",
+            f"{row['decode_tok_s'] or 0:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms",
             flush=True,
         )
         save()
