@@ -77,6 +77,11 @@ def test_benchmark_and_synthetic_weight_pieces():
     assert maxapi.Signals.NUM_BYTES > 0  # reserved for gpt_oss even on one device
     assert maxapi.GptOssMemoryPlanner._always_signal_buffers
     assert "batches" in inspect.signature(maxapi.TextGenerationInputs).parameters
+    # e2e.run_batch steps a pipeline as GenerateIterator.step does, through the KV manager's rows.
+    for name in ("claim", "alloc", "release", "contains"):
+        assert callable(getattr(maxapi.PagedKVCacheManagerInterface, name)), name
+    assert "replica_idx" in inspect.signature(maxapi.PagedKVCacheManagerInterface.claim).parameters
+    assert "kv_manager.alloc(context).synchronize()" in inspect.getsource(maxapi.GenerateIterator.step)
     assert "max_batch_input_tokens" in maxapi.PipelineRuntimeConfig.model_fields
     # The synthetic weights hand MAX bf16 buffers as views of uint16 bit patterns.
     bits = np.array([0x3F80, 0x4000], dtype=np.uint16)

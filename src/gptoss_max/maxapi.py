@@ -27,6 +27,7 @@ from max.pipelines.architectures.gpt_oss.model_config import GptOssConfig
 from max.pipelines.context import SamplingParams
 from max.pipelines.kv_cache.config import KVCacheConfig
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
+from max.pipelines.kv_cache.paged_kv_cache.cache_manager_interface import PagedKVCacheManagerInterface
 from max.pipelines.lib import PipelineArgs, PipelineConfig, SupportedArchitecture
 from max.pipelines.lib.generate import GenerateIterator
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
@@ -76,6 +77,7 @@ __all__ = [
     "GraphRole",
     "GraphSpec",
     "PagedMemoryPlanner",
+    "PagedKVCacheManagerInterface",
     "PipelineConfig",
     "StockGptOss",
     "SupportedArchitecture",
