@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 
 from gptoss_max.harmony import messages as hm
 from gptoss_max.harmony.events import new_id
@@ -17,7 +16,7 @@ from gptoss_max.harmony.render import TurnSpec, render_prompt
 from gptoss_max.server import grammar, tools
 from gptoss_max.server.engine import GenParams
 from gptoss_max.server.errors import bad_request, read_json_object, server_error, shutting_down
-from gptoss_max.server.generation import EventStream, Generation, until_disconnected
+from gptoss_max.server.generation import Generation, reply
 from gptoss_max.server.schemas import ChatRequest, parse_request
 from gptoss_max.server.state import ServerState
 
@@ -183,11 +182,4 @@ async def create(request: Request, state: ServerState) -> Response:
     constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
     params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed, grammar=constraint)
     gen = Generation(state.engine, prompt, params, state.generations)
-    await until_disconnected(request, gen.start())
-    run = ChatRun(state, req, gen)
-    if req.stream:
-        return EventStream(run.sse(), gen)
-    try:
-        return JSONResponse(await until_disconnected(request, run.complete()))
-    finally:
-        await gen.close()
+    return await reply(request, gen, lambda g: ChatRun(state, req, g), req.stream)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import anyio
 from fastapi import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gptoss_max.harmony.parse import HarmonyStream, ParseEvent
@@ -213,3 +213,24 @@ class EventStream(StreamingResponse):
             if aclose is not None:
                 await aclose()
             await self.generation.close()  # also when the stream never started
+
+
+class Run(Protocol):
+    """One route's view of a generation: its SSE stream, or its whole JSON body."""
+
+    def sse(self) -> AsyncIterator[str]: ...
+
+    async def complete(self) -> dict: ...
+
+
+async def reply(request: Request, gen: Generation, run_for: Callable[[Generation], Run], stream: bool) -> Response:
+    """Starts `gen` (a client that leaves first cancels it), then answers with the run's event
+    stream or its JSON body; the generation is closed either way."""
+    await until_disconnected(request, gen.start())
+    run = run_for(gen)
+    if stream:
+        return EventStream(run.sse(), gen)
+    try:
+        return JSONResponse(await until_disconnected(request, run.complete()))
+    finally:
+        await gen.close()

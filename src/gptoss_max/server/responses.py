@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 from openai_harmony import Message
 
 from gptoss_max.harmony import messages as hm
@@ -18,7 +17,7 @@ from gptoss_max.harmony.render import Prompt, TurnSpec, render_prompt
 from gptoss_max.server import grammar, tools
 from gptoss_max.server.engine import GenParams
 from gptoss_max.server.errors import bad_request, not_found, read_json_object
-from gptoss_max.server.generation import EventStream, Generation, until_disconnected
+from gptoss_max.server.generation import Generation, reply
 from gptoss_max.server.schemas import NamedFunction, ResponsesRequest, parse_request
 from gptoss_max.server.state import ServerState
 from gptoss_max.server.store import StoredResponse
@@ -175,14 +174,7 @@ async def create(request: Request, state: ServerState) -> Response:
             )
     turn = plan_turn(state, req, stored)
     gen = Generation(state.engine, turn.prompt, turn.params, state.generations)
-    await until_disconnected(request, gen.start())
-    run = ResponseRun(state, req, turn, gen)
-    if req.stream:
-        return EventStream(run.sse(), gen)
-    try:
-        return JSONResponse(await until_disconnected(request, run.complete()))
-    finally:
-        await gen.close()
+    return await reply(request, gen, lambda g: ResponseRun(state, req, turn, g), req.stream)
 
 
 async def retrieve(response_id: str, state: ServerState) -> dict:
