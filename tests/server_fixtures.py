@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import socket
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import httpx
 import uvicorn
 
 from gptoss_max.harmony.render import encode_harmony
@@ -57,6 +60,28 @@ def decode(ids: list[int]) -> str:
     return harmony_encoding().decode(ids)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(
+    proc: subprocess.Popen, base: str, timeout: float, poll: float, output: Callable[[], str], probe: float = 2
+) -> None:
+    """Polls `GET {base}/health` until it answers 200; fails if `proc` exits first or after
+    `timeout` s, with `output()` (the server's log) in the message."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"server exited ({proc.returncode}):\n{output()}"
+        assert time.monotonic() < deadline, f"server not ready after {timeout} s:\n{output()}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=probe).status_code == 200:
+                return
+        time.sleep(poll)
+
+
 @contextlib.contextmanager
 def serving(app) -> Iterator[str]:
     """Serve `app` on a free local port; yields the base URL (without /v1)."""
@@ -84,5 +109,7 @@ __all__ = [
     "WEATHER_TOOL",
     "decode",
     "encode_harmony",
+    "free_port",
     "serving",
+    "wait_healthy",
 ]

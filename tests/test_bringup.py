@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from server_fixtures import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ("MODEL", "DEVICES", "HOST", "PORT", "API_KEY", "GPTOSS_MAX_API_KEY", "LOGS", "PIDFILE", "SERVE_ARGS")
 MAKE_STATE = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")
@@ -32,12 +34,6 @@ def clean_env(**extra: str | Path) -> dict[str, str]:
 def make(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     cmd = ["make", "--no-print-directory", "-C", str(ROOT), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def port_free(port: int) -> bool:

@@ -8,11 +8,9 @@ structured outputs and forced tool calls are valid (noise made valid only by MAX
 masking, with reasoning capped at 16 tokens). Compiles a MAX graph (minutes cold), hence `slow`.
 """
 
-import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from bench_load import load
 from gptoss_max.harmony import messages as hm
 from gptoss_max.harmony.render import TurnSpec, render_prompt
 from reporting import report
+from server_fixtures import free_port, wait_healthy
 from structured_cases import SCHEMAS, TOOL_SCHEMAS, TOOLS, chat_tool, valid
 
 pytestmark = pytest.mark.slow
@@ -33,12 +32,6 @@ pytestmark = pytest.mark.slow
 MODEL = "gpt-oss-tiny"
 CONTEXT = 2048
 READY_TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path, n=60) -> str:
@@ -51,7 +44,7 @@ def live(tmp_path_factory):
     cli = [sys.executable, "-m", "gptoss_max.cli"]
     # MAX's native library setenv()s PYTHONEXECUTABLE (a venv-less python); os.environ does not carry it.
     subprocess.run([*cli, "make-tiny", str(root / "tiny")], check=True, timeout=300, env=dict(os.environ))
-    port, log = _free_port(), root / "server.log"
+    port, log = free_port(), root / "server.log"
     args = ["serve", "--model", str(root / "tiny"), "--devices", "cpu", "--port", str(port),
             "--served-model-name", MODEL, "--max-length", str(CONTEXT), "--max-batch-size", "4",
             "--store", str(root / "responses.sqlite3"), "--enable-bench",
@@ -60,15 +53,8 @@ def live(tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen([*cli, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + READY_TIMEOUT_S
     try:
-        while True:
-            assert proc.poll() is None, f"server exited ({proc.returncode}):\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"server not ready:\n{_tail(log)}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(2)
+        wait_healthy(proc, base, READY_TIMEOUT_S, poll=2, output=lambda: _tail(log))
         yield base, log
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,31 +21,21 @@ import httpx
 import pytest
 
 from pg_fixtures import pg_server_url, pg_url  # noqa: F401 - fixtures
+from server_fixtures import free_port, wait_healthy
 
 SCRIPT = Path(__file__).with_name("scripted_server.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server_process(store: str, *extra: str):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--port", str(port), "--store", store, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "scripted server did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
+        # its output is read only once it has exited (reading a live pipe would block)
+        out = lambda: proc.stdout.read() if proc.poll() is not None else "scripted server did not start"  # noqa: E731
+        wait_healthy(proc, base, 60, poll=0.1, output=out, probe=1)
         yield proc, base
     finally:
         if proc.poll() is None:
