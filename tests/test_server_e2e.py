@@ -150,7 +150,12 @@ def test_dropped_stream_frees_the_worker(live, client):
         for line in r.iter_lines():
             if line.startswith("event: response.in_progress"):  # sent after the first token
                 break
-        assert _until(lambda: _metric(base, "gptoss_kv_requests") == 1, 5), "the worker holds it while it streams"
+        seen: list = []
+        try:
+            _until(lambda: seen.append((_metric(base, "gptoss_kv_requests"), _metric(base, "gptoss_kv_blocks_used")))
+                   or seen[-1][0] == 1, 5)  # fmt: skip
+        except AssertionError:
+            raise AssertionError(f"the worker holds it while it streams; (requests, blocks): {seen[-5:]}") from None
         held = _metric(base, "gptoss_kv_blocks_used")
         assert held and held > 0
     t1 = time.monotonic()
