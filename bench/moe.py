@@ -271,11 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     token_counts = [int(t) for t in args.tokens.split(",")]
     gpu_name = torch.cuda.get_device_name()
-    gpu_tag = (
-        gpu_name.split()[-1].lower()
-        if "H100" not in gpu_name and "H200" not in gpu_name
-        else ("h100" if "H100" in gpu_name else "h200")
-    )
     today = datetime.date.today()
     dev = Accelerator()
     session = InferenceSession(devices=[dev])
@@ -371,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": gpu_name,
         "date": today.isoformat(),
         "command": cmd.strip(),
-        "max_version": _version("max"),
+        "max_version": version_of("max"),
         "copy_tb_s": round(copy_tb_s, 3),
         "method": "ours_us: slope of CUDA-event time of a graph of 1 vs 1+chain chained MoE layers; "
         "max_stock_us: mxfp4_dequant of gate_up + down stacks only (MAX 26.7's grouped_matmul_ragged "
@@ -383,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"moe_decode_{gpu_tag}_{today.strftime('%Y%m%d')}.json"
+    path = out_dir / f"moe_decode_{gpu_tag(gpu_name)}_{today.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
     print(f"wrote {path}")
@@ -408,7 +403,15 @@ def print_table(result: dict) -> None:
         )
 
 
-def _version(name: str) -> str | None:
+def gpu_tag(gpu_name: str) -> str:
+    """Short name of a GPU for result file names: h100, h200, else its last word."""
+    for tag in ("H100", "H200"):
+        if tag in gpu_name:
+            return tag.lower()
+    return gpu_name.split()[-1].lower()
+
+
+def version_of(name: str) -> str | None:
     try:
         from importlib.metadata import version
 

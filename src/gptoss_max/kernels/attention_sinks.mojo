@@ -8,6 +8,8 @@ from std.collections import Array
 from std.math import exp
 from std.utils.coord import Coord
 
+from .attention_gpu import launch_attention
+
 
 @extensibility.register("gptoss_attention_with_sinks")
 struct AttentionWithSinks:
@@ -34,7 +36,12 @@ struct AttentionWithSinks:
       sinks        [n_heads]  logits of the sink, any float dtype
       layer_idx, scale, window: CPU scalars; window <= 0 means no window,
                    else token p attends to positions [p - window + 1, p].
+      scratch      [16, n_heads, head_dim + 2] f32: the GPU path's per-split
+                   partials (attention_gpu.mojo); unused on the CPU.
     Head h reads KV head h // (n_heads / n_kv_heads).
+
+    GPU: attention_gpu.mojo (split keys, one warp per head). CPU: one task
+    per (row, head), below.
     """
 
     @staticmethod
@@ -43,9 +50,10 @@ struct AttentionWithSinks:
         head_dim: Int,
     ](
         output: OutputTensor[rank=3, ...],
+        scratch: OutputTensor[dtype=DType.float32, rank=3, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
         row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
-        kv_blocks: MutableInputTensor[rank=6, ...],
+        kv_blocks: MutableInputTensor[dtype=output.dtype, rank=6, ...],
         page_stride: InputTensor[dtype=DType.int64, rank=1, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
@@ -79,6 +87,33 @@ struct AttentionWithSinks:
         var k_base = Int(layer_idx) * layer_elems
         var v_base = (n_layers + Int(layer_idx)) * layer_elems
         var win = Int(window)
+
+        comptime if target == "gpu":
+            launch_attention[output.dtype, sinks.dtype, head_dim](
+                ctx,
+                outp,
+                scratch.unsafe_ptr(),
+                scratch.dim_size[0](),
+                qp,
+                offs,
+                kvp,
+                lens,
+                table,
+                sinkp,
+                q.dim_size[0](),
+                batch,
+                max_pages,
+                n_heads,
+                page_size,
+                group,
+                slot_elems,
+                page_elems,
+                k_base,
+                v_base,
+                win,
+                scale,
+            )
+            return
 
         def attend_row[
             width: Int, alignment: Int = 1

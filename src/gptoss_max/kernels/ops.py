@@ -175,6 +175,10 @@ def _prod(dims: list[Dim]) -> Dim:
     return total
 
 
+# attention_gpu.mojo's SPLIT_TOKENS: rows of the GPU path's split-partials scratch.
+ATTENTION_SPLIT_ROWS = 16
+
+
 def attention_with_sinks(
     xq: TensorValue,  # [T, n_heads, head_dim], roped, kv dtype
     kv_collection: PagedCacheValues,  # this step's K/V already stored
@@ -214,6 +218,10 @@ def attention_with_sinks(
             ops.constant(scale, DType.float32, device=cpu),
             ops.constant(window or 0, DType.int32, device=cpu),
         ],
-        out_types=[TensorType(xq.dtype, xq.shape, xq.device)],
+        out_types=[
+            TensorType(xq.dtype, xq.shape, xq.device),
+            # attention_gpu.mojo's SPLIT_TOKENS rows of per-split partials (m, l, acc)
+            TensorType(DType.float32, [ATTENTION_SPLIT_ROWS, xq.shape[1], xq.shape[2] + 2], xq.device),
+        ],
         parameters={"head_dim": int(xq.shape[2])},
     )[0].tensor
