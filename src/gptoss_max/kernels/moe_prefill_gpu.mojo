@@ -1,0 +1,619 @@
+# GPU path of the MXFP4 MoE ops for prefill-sized steps (issue 5): a
+# grouped GEMM over experts on tensor cores (mma.sync m16n8k16, bf16 in,
+# f32 accumulate), MXFP4 weights decoded in registers.
+#
+# Four launches per step, grids from shapes only (CUDA-graph safe):
+#   route    (1 block)  count (token, k) pairs per expert, exclusive prefix,
+#                       tile starts, scatter of pair ids into expert order;
+#   gate_up  GEMM       h[pos] = swiglu(W_gu[e] x[t] + b)  for the pairs of
+#                       expert e at sorted positions pos (A rows gathered);
+#   down     GEMM       partial[p] = w[p] (W_dn[e] h[pos] + b)
+#   combine             out[t] = sum_k partial[t * K + k]  (fixed k order)
+#
+# The GPU never reads a per-step count on the host: a GEMM block finds its
+# (expert, m tile, n tile) in the route's tile starts; blocks past the last
+# tile return. Output is deterministic: each row of a GEMM is independent of
+# the rows it shares a tile with, and combine sums in k order.
+#
+# Buffers (the ops' h [T, K, I] f32 is opaque on the GPU):
+#   h bytes [0, 2 P I)       sorted h, bf16 [P, I], decode-ordered (_h_slot)
+#   h int32 words from P I/2 (meta):
+#     [0, E]                 expert offsets into the sorted order
+#     [E + 1, 2E + 1]        tile starts (BM-row tiles) per expert
+#     [2E + 2, 2E + 2 + P)   sorted position -> pair index t * K + k
+#   partial [P, H] f32       (the down op's scratch), indexed by pair.
+#
+# Inner product (per 32-element MXFP4 block, two k16 mma): lane (g, q)
+# decodes bytes 4q..4q+3 of its weight row's 16-byte block (elements
+# 8q..8q+7) into four bf16 pair words (e3,e7) (e2,e6) (e1,e5) (e0,e4); the
+# k order inside a dot product is free, so A follows: gate_up permutes the
+# 16 bytes of x it loads (byte_permute), and writes h already permuted, so
+# down loads its A words as they are.
+#
+# Shared memory per stage: A [BM][32] bf16 (64-byte rows: a quarter warp's
+# 16-byte loads cover two whole rows, no bank conflicts), B [BN][16] bytes,
+# both filled by cp.async; the tile's E8M0 scales [BN][K/32] once up front.
+
+from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
+from max.gpu.compute.mma import mma
+from max.gpu.host import DeviceContext
+from max.gpu.intrinsics import byte_permute
+from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group
+from max.gpu.primitives.warp import vote
+from std.atomic import Atomic
+from std.collections import Array
+from std.memory import bitcast, stack_allocation
+
+from .moe_common import gptoss_swiglu
+
+comptime ROUTE_THREADS = 1024
+comptime PREFILL_MAX_EXPERTS = 256
+# Prefill takes over from the decode kernel at this many routed pairs per
+# expert (T * K / E); measured by bench/moe.py --prefill (see bench/NOTES.md).
+comptime PREFILL_MIN_PAIRS_PER_EXPERT = 4
+
+# Tile configurations (compile-time): BM token rows x BN weight rows per
+# block, WARPS_M x WARPS_N warps, STAGES-deep cp.async pipeline.
+comptime N_CONFIGS = 5
+# Scales of a tile are staged whole: K <= 32 * MAX_KB.
+comptime MAX_KB = 96
+
+
+@always_inline
+def cfg_bm(c: Int) -> Int:
+    return [128, 64, 128, 64, 32][c]
+
+
+@always_inline
+def cfg_bn(c: Int) -> Int:
+    return [128, 128, 64, 64, 128][c]
+
+
+@always_inline
+def cfg_warps_m(c: Int) -> Int:
+    return [2, 2, 4, 2, 1][c]
+
+
+@always_inline
+def cfg_warps_n(c: Int) -> Int:
+    return [4, 4, 2, 2, 4][c]
+
+
+@always_inline
+def cfg_stages(c: Int) -> Int:
+    return [3, 4, 4, 4, 4][c]
+
+
+def auto_config(pairs_per_expert: Int) -> Int:
+    """Tile configuration for a mean load of routed pairs per expert."""
+    if pairs_per_expert >= 96:
+        return 0
+    if pairs_per_expert >= 24:
+        return 1
+    return 4
+
+
+def meta_words(n_pairs: Int, n_experts: Int) -> Int:
+    return 2 * n_experts + 2 + n_pairs
+
+
+def prefill_feasible(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: Int) -> Bool:
+    """Shapes the prefill kernels handle: 32-element K blocks, 8-row N
+    tiles, the routing metadata fitting h's unused half."""
+    var n_pairs = tokens * top_k
+    if n_pairs == 0 or n_experts > PREFILL_MAX_EXPERTS:
+        return False
+    if hidden % 32 != 0 or inter % 32 != 0 or hidden > 32 * MAX_KB or inter > 32 * MAX_KB:
+        return False
+    return meta_words(n_pairs, n_experts) <= n_pairs * inter // 2
+
+
+def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: Int, path: Int) raises -> Int:
+    """Which kernel a step of the MXFP4 op pair runs on the GPU: -1 for the
+    decode kernel (moe_gpu.mojo), else a prefill tile configuration. Both
+    ops of a step call this with the same shapes, so they agree.
+    path: 0 auto, 1 decode kernel, 2 + c prefill with configuration c."""
+    if path == 1:
+        return -1
+    var ok = prefill_feasible(tokens, top_k, n_experts, hidden, inter)
+    if path >= 2:
+        if path - 2 >= N_CONFIGS:
+            raise Error("gptoss MoE: no prefill tile configuration ", path - 2)
+        if not ok:
+            raise Error("gptoss MoE: prefill path forced on shapes it does not handle")
+        return path - 2
+    if not ok or tokens * top_k < PREFILL_MIN_PAIRS_PER_EXPERT * n_experts:
+        return -1
+    return auto_config(tokens * top_k // n_experts)
+
+
+@always_inline
+def h_slot(i: Int) -> Int:
+    """Position of h element i in a decode-ordered row: in each group of 8,
+    elements (3, 7, 2, 6, 1, 5, 0, 4) in that order."""
+    var r = i & 7
+    var s = 3 - r if r < 4 else 7 - r
+    return (i & ~7) + 2 * s + (0 if r < 4 else 1)
+
+
+@always_inline
+def decode_pair(v: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
+    """Nibbles 3 and 7 of v as a bf16 pair (low, high half) times `mult`:
+    the e2m1 sign to bit 15, magnitude bits (e1 e0 m) to bf16 bits 8..6,
+    i.e. the value times 2^-126; mult = 2^(s-1) makes it value * 2^(s-127)
+    exactly (s <= 128)."""
+    var bits = (v & 0x80008000) | ((v >> 6) & 0x01C001C0)
+    return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](bits) * mult)
+
+
+@always_inline
+def decode_word(w: UInt32, s: UInt32) -> SIMD[DType.uint32, 4]:
+    """Elements 0..7 of a u32 of MXFP4 codes, scale byte s, as pair words
+    (e3,e7) (e2,e6) (e1,e5) (e0,e4). Two multiplies when s > 128."""
+    var out = SIMD[DType.uint32, 4](0)
+    if s <= 128:
+        var m = (s + 126) << 7
+        var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
+        comptime for j in range(4):
+            out[j] = decode_pair(w << UInt32(4 * j), mult)
+    else:
+        var m1 = UInt32(253) << 7
+        var m2 = s << 7
+        var mult1 = bitcast[DType.bfloat16, 2](m1 | (m1 << 16))
+        var mult2 = bitcast[DType.bfloat16, 2](m2 | (m2 << 16))
+        comptime for j in range(4):
+            var d = decode_pair(w << UInt32(4 * j), mult1)
+            out[j] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
+    return out
+
+
+@always_inline
+def permute_x(v: SIMD[DType.uint32, 4]) -> SIMD[DType.uint32, 4]:
+    """8 bf16 in natural order (4 pair words) -> (e3,e7) (e2,e6) (e1,e5) (e0,e4)."""
+    return SIMD[DType.uint32, 4](
+        byte_permute(v[1], v[3], 0x7632),
+        byte_permute(v[1], v[3], 0x5410),
+        byte_permute(v[0], v[2], 0x7632),
+        byte_permute(v[0], v[2], 0x5410),
+    )
+
+
+@always_inline
+def find_tile(ts: Pointer[Int32, _], n_experts: Int, n_tiles_n: Int, b: Int) -> SIMD[DType.int32, 4]:
+    """Block b of a GEMM grid -> (expert, m tile within it, n tile, ok).
+    Blocks are expert-major, then n tile, then m tile (m fastest, so the
+    m tiles of one expert share its weight tile in L2); ts = tile starts."""
+    var res = SIMD[DType.int32, 4](0)
+    var total = Int(ts[unsafe_offset=n_experts]) * n_tiles_n
+    if b >= total:
+        return res
+    # largest e with ts[e] * NT <= b; then ts[e + 1] * NT > b (nonempty)
+    var lo = 0
+    var hi = n_experts
+    while hi - lo > 1:
+        var mid = (lo + hi) >> 1
+        if Int(ts[unsafe_offset=mid]) * n_tiles_n <= b:
+            lo = mid
+        else:
+            hi = mid
+    var t0 = Int(ts[unsafe_offset=lo])
+    var mt = Int(ts[unsafe_offset=lo + 1]) - t0
+    var local = b - t0 * n_tiles_n
+    res[0] = Int32(lo)
+    res[1] = Int32(local % mt)
+    res[2] = Int32(local // mt)
+    res[3] = 1
+    return res
+
+
+def route_kernel(
+    meta: Pointer[Int32, MutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    n_pairs_: Int64,
+    n_experts_: Int64,
+    bm_: Int64,
+):
+    """One block: meta (layout above) from topk ids [P]. Ids outside [0, E)
+    are left out. Order inside an expert is arrival order (any order gives
+    the same results, see the header)."""
+    var n_pairs = Int(n_pairs_)
+    var n_experts = Int(n_experts_)
+    var bm = Int(bm_)
+    var cnt = stack_allocation[PREFILL_MAX_EXPERTS, Int32, address_space=AddressSpace.SHARED]()
+    var cur = stack_allocation[PREFILL_MAX_EXPERTS, Int32, address_space=AddressSpace.SHARED]()
+    var tid = Int(thread_idx.x)
+    for i in range(tid, n_experts, ROUTE_THREADS):
+        cnt[unsafe_offset=i] = 0
+    barrier()
+    for p in range(tid, n_pairs, ROUTE_THREADS):
+        var e = Int(ids[unsafe_offset=p])
+        if e >= 0 and e < n_experts:
+            _ = Atomic.fetch_add(cnt.unsafe_offset(e), 1)
+    barrier()
+    if tid == 0:
+        var o = 0
+        var t = 0
+        for e in range(n_experts):
+            var c = Int(cnt[unsafe_offset=e])
+            meta[unsafe_offset=e] = Int32(o)
+            meta[unsafe_offset=n_experts + 1 + e] = Int32(t)
+            cur[unsafe_offset=e] = Int32(o)
+            o += c
+            t += (c + bm - 1) // bm
+        meta[unsafe_offset=n_experts] = Int32(o)
+        meta[unsafe_offset=2 * n_experts + 1] = Int32(t)
+    barrier()
+    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    for p in range(tid, n_pairs, ROUTE_THREADS):
+        var e = Int(ids[unsafe_offset=p])
+        if e >= 0 and e < n_experts:
+            var pos = Atomic.fetch_add(cur.unsafe_offset(e), 1)
+            sorted[unsafe_offset=Int(pos)] = Int32(p)
+
+
+
+@always_inline
+def _issue[
+    BM: Int, BN: Int, THREADS: Int, A_PER_T: Int
+](
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    a_off: Array[Int, A_PER_T],
+    b_off: Int,
+    a_sm: Pointer[BFloat16, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    b_sm: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    tid: Int,
+    stage: Int,
+    kb: Int,
+):
+    """cp.async of stage `stage` <- MXFP4 block kb: A [BM][32] bf16, B [BN][16] bytes."""
+    comptime A_CHUNKS = BM * 4
+    comptime for u in range(A_PER_T):
+        var c = tid + u * THREADS
+        if A_CHUNKS % THREADS == 0 or c < A_CHUNKS:
+            async_copy[16](
+                a_src.unsafe_offset(a_off[u] + kb * 32).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+                a_sm.unsafe_offset(stage * BM * 32 + c * 8),
+            )
+    if tid < BN:
+        async_copy[16](
+            blocks.unsafe_offset(b_off + kb * 16).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            b_sm.unsafe_offset(stage * BN * 16 + tid * 16),
+        )
+
+
+def gemm_kernel[
+    down: Bool, BM: Int, BN: Int, WARPS_M: Int, WARPS_N: Int, STAGES: Int
+](
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    partial: Pointer[Float32, MutAnyOrigin],
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    meta: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k_: Int64,
+    n_experts_: Int64,
+    n_rows_: Int64,
+    k_dim_: Int64,
+):
+    """The gate_up GEMM (down=False): A = x [T, H] gathered by pair, N = 2I rows,
+    writes h_out. down: A = h_out's sorted rows [P, I], N = H, writes
+    partial [P, H] by pair."""
+    comptime WM = BM // WARPS_M
+    comptime WN = BN // WARPS_N
+    comptime MT = WM // 16
+    comptime NT8 = WN // 8
+    comptime THREADS = WARPS_M * WARPS_N * 32
+    comptime A_CHUNKS = BM * 4  # 16-byte chunks of A per stage
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var n_rows = Int(n_rows_)
+    var k_dim = Int(k_dim_)
+    var nkb = k_dim // 32
+    var n_tiles_n = (n_rows + BN - 1) // BN
+    var off = meta
+    var ts = meta.unsafe_offset(n_experts + 1)
+    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    var tile = find_tile(ts, n_experts, n_tiles_n, Int(block_idx.x))
+    if tile[3] == 0:
+        return
+    var e = Int(tile[0])
+    var row0 = Int(off[unsafe_offset=e]) + Int(tile[1]) * BM
+    var rows_valid = min(BM, Int(off[unsafe_offset=e + 1]) - row0)
+    var n0 = Int(tile[2]) * BN
+
+    var a_sm = stack_allocation[STAGES * BM * 32, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
+    var b_sm = stack_allocation[STAGES * BN * 16, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    var s_sm = stack_allocation[BN * MAX_KB, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+
+    var tid = Int(thread_idx.x)
+    # The tile's scales, once: [BN][nkb] (rows past N read row N-1).
+    for idx in range(tid, BN * nkb, THREADS):
+        var r = idx // nkb
+        var kb = idx - r * nkb
+        var gr = min(n0 + r, n_rows - 1)
+        s_sm[unsafe_offset=r * nkb + kb] = scales[unsafe_offset=(e * n_rows + gr) * nkb + kb]
+
+    # Each thread copies fixed chunks every stage: element offsets of its A
+    # chunks (gathered rows) and, for tid < BN, one weight row's block.
+    comptime A_PER_T = (A_CHUNKS + THREADS - 1) // THREADS
+    var a_off = Array[Int, A_PER_T](fill=0)
+    comptime for u in range(A_PER_T):
+        var c = tid + u * THREADS
+        var r = min(c >> 2, max(rows_valid - 1, 0))
+        var src_row: Int
+        comptime if down:
+            src_row = row0 + r
+        else:
+            src_row = Int(sorted[unsafe_offset=row0 + r]) // top_k
+        a_off[u] = src_row * k_dim + (c & 3) * 8
+    var b_off = (e * n_rows + min(n0 + tid, n_rows - 1)) * (k_dim // 2)
+
+    comptime for s in range(STAGES - 1):
+        if s < nkb:
+            _issue[BM, BN, THREADS, A_PER_T](a_src, blocks, a_off, b_off, a_sm, b_sm, tid, s, s)
+        async_copy_commit_group()
+
+    var lane = Int(lane_id())
+    var g = lane >> 2
+    var q = lane & 3
+    var wm0 = (Int(warp_id()) // WARPS_N) * WM
+    var wn0 = (Int(warp_id()) % WARPS_N) * WN
+    var acc = Array[SIMD[DType.float32, 4], MT * NT8](fill=0)
+    var a32 = a_sm.unsafe_bitcast[UInt32]()
+    var b32 = b_sm.unsafe_bitcast[UInt32]()
+
+    for kb in range(nkb):
+        async_copy_wait_group(Int32(STAGES - 2))
+        barrier()
+        var nxt = kb + STAGES - 1
+        if nxt < nkb:
+            _issue[BM, BN, THREADS, A_PER_T](a_src, blocks, a_off, b_off, a_sm, b_sm, tid, nxt % STAGES, nxt)
+        async_copy_commit_group()
+        var stage = kb % STAGES
+        # B: this lane's weight row of each n8 tile, decoded.
+        var bw = Array[SIMD[DType.uint32, 4], NT8](fill=0)
+        var big = False
+        var sc = Array[UInt32, NT8](fill=0)
+        comptime for j in range(NT8):
+            var r = wn0 + j * 8 + g
+            sc[j] = UInt32(s_sm[unsafe_offset=r * nkb + kb])
+            big = big or sc[j] > 128
+        var big_any = vote[DType.uint32](big) != 0
+        comptime for j in range(NT8):
+            var r = wn0 + j * 8 + g
+            var w = b32[unsafe_offset=stage * BN * 4 + r * 4 + q]
+            if not big_any:
+                var m = (sc[j] + 126) << 7
+                var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
+                comptime for s4 in range(4):
+                    bw[j][s4] = decode_pair(w << UInt32(4 * s4), mult)
+            else:
+                bw[j] = decode_word(w, sc[j])
+        # A: rows g and g + 8 of each m16 tile, words in decode order.
+        comptime for i in range(MT):
+            var r = wm0 + i * 16 + g
+            var lo4 = a32.unsafe_load[width=4, alignment=16](stage * BM * 16 + r * 16 + q * 4)
+            var hi4 = a32.unsafe_load[width=4, alignment=16](stage * BM * 16 + (r + 8) * 16 + q * 4)
+            comptime if not down:
+                lo4 = permute_x(lo4)
+                hi4 = permute_x(hi4)
+            comptime for j in range(NT8):
+                comptime for s in range(2):
+                    var a = bitcast[DType.bfloat16, 8](
+                        SIMD[DType.uint32, 4](lo4[2 * s], hi4[2 * s], lo4[2 * s + 1], hi4[2 * s + 1])
+                    )
+                    var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](bw[j][2 * s], bw[j][2 * s + 1]))
+                    mma(acc[i * NT8 + j], a, b, acc[i * NT8 + j])
+
+    # Epilogue. Lane holds (row g, cols 2q, 2q+1) and (row g + 8, same cols)
+    # of each 16 x 8 tile.
+    comptime for i in range(MT):
+        comptime for j in range(NT8):
+            var n = n0 + wn0 + j * 8 + 2 * q
+            comptime for hf in range(2):
+                var r = wm0 + i * 16 + g + 8 * hf
+                var c0 = acc[i * NT8 + j][2 * hf]
+                var c1 = acc[i * NT8 + j][2 * hf + 1]
+                if r < rows_valid and n < n_rows:
+                    comptime if down:
+                        var p = Int(sorted[unsafe_offset=row0 + r])
+                        var w = wts[unsafe_offset=p]
+                        var v = SIMD[DType.float32, 2](
+                            w * (c0 + bias[unsafe_offset=e * n_rows + n]),
+                            w * (c1 + bias[unsafe_offset=e * n_rows + n + 1]),
+                        )
+                        partial.unsafe_store[alignment=8](p * n_rows + n, v)
+                    else:
+                        var inter = n_rows // 2
+                        var v = gptoss_swiglu(
+                            c0 + bias[unsafe_offset=e * n_rows + n], c1 + bias[unsafe_offset=e * n_rows + n + 1]
+                        )
+                        h_out[unsafe_offset=(row0 + r) * inter + h_slot(n >> 1)] = v.cast[DType.bfloat16]()
+
+
+def combine_kernel[
+    out_dtype: DType
+](
+    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
+    partial: Pointer[Float32, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    tokens_: Int64,
+    top_k_: Int64,
+    n_experts_: Int64,
+    hidden_: Int64,
+):
+    """Output[t, 4c..4c+3] = sum over valid k of partial[t K + k, ...]."""
+    var tokens = Int(tokens_)
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var hidden = Int(hidden_)
+    var quads = hidden // 4
+    var idx = Int(block_idx.x) * 256 + Int(thread_idx.x)
+    if idx >= tokens * quads:
+        return
+    var t = idx // quads
+    var c = (idx - t * quads) * 4
+    var s = SIMD[DType.float32, 4](0)
+    for k in range(top_k):
+        var e = Int(ids[unsafe_offset=t * top_k + k])
+        if e >= 0 and e < n_experts:
+            s += partial.unsafe_load[width=4, alignment=16]((t * top_k + k) * hidden + c)
+    output.unsafe_store[alignment=4](t * hidden + c, s.cast[out_dtype]())
+
+
+def _meta_ptr(h: Pointer[Float32, _], n_pairs: Int, inter: Int) -> Pointer[Int32, MutAnyOrigin]:
+    return rebind[Pointer[Int32, MutAnyOrigin]](h.unsafe_bitcast[Int32]().unsafe_offset(n_pairs * inter // 2))
+
+
+def _grid(n_pairs: Int, n_experts: Int, n_rows: Int, bm: Int, bn: Int) -> Int:
+    """Upper bound on GEMM blocks from shapes: sum_e ceil(n_e / BM) <=
+    ceil(P / BM) + min(E, P) m tiles, times the n tiles."""
+    return ((n_pairs + bm - 1) // bm + min(n_experts, n_pairs)) * ((n_rows + bn - 1) // bn)
+
+
+def _gate_up_cfg[
+    c: Int
+](
+    ctx: DeviceContext,
+    h: Pointer[Float32, MutAnyOrigin],
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    tokens: Int,
+    top_k: Int,
+    n_experts: Int,
+    rows: Int,
+    hidden: Int,
+) raises:
+    comptime BM = cfg_bm(c)
+    comptime BN = cfg_bn(c)
+    comptime WARPS = cfg_warps_m(c) * cfg_warps_n(c)
+    var n_pairs = tokens * top_k
+    var meta = _meta_ptr(h, n_pairs, rows // 2)
+    ctx.enqueue_function[route_kernel](
+        meta, ids, Int64(n_pairs), Int64(n_experts), Int64(BM), grid_dim=1, block_dim=ROUTE_THREADS
+    )
+    comptime kernel = gemm_kernel[False, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
+    ctx.enqueue_function[kernel](
+        h.unsafe_bitcast[BFloat16](),
+        h,
+        x,
+        rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+        bias,
+        blocks,
+        scales,
+        bias,
+        Int64(top_k),
+        Int64(n_experts),
+        Int64(rows),
+        Int64(hidden),
+        grid_dim=_grid(n_pairs, n_experts, rows, BM, BN),
+        block_dim=WARPS * 32,
+    )
+
+
+def _down_cfg[
+    c: Int, out_dtype: DType
+](
+    ctx: DeviceContext,
+    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
+    partial: Pointer[Float32, MutAnyOrigin],
+    h: Pointer[Float32, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    tokens: Int,
+    top_k: Int,
+    n_experts: Int,
+    hidden: Int,
+    inter: Int,
+) raises:
+    comptime BM = cfg_bm(c)
+    comptime BN = cfg_bn(c)
+    comptime WARPS = cfg_warps_m(c) * cfg_warps_n(c)
+    var n_pairs = tokens * top_k
+    var meta = _meta_ptr(h, n_pairs, inter)
+    var hb = rebind[Pointer[BFloat16, ImmutAnyOrigin]](h.unsafe_bitcast[BFloat16]())
+    comptime kernel = gemm_kernel[True, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
+    ctx.enqueue_function[kernel](
+        rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
+        partial,
+        hb,
+        rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+        wts,
+        blocks,
+        scales,
+        bias,
+        Int64(top_k),
+        Int64(n_experts),
+        Int64(hidden),
+        Int64(inter),
+        grid_dim=_grid(n_pairs, n_experts, hidden, BM, BN),
+        block_dim=WARPS * 32,
+    )
+    ctx.enqueue_function[combine_kernel[out_dtype]](
+        output,
+        rebind[Pointer[Float32, ImmutAnyOrigin]](partial),
+        ids,
+        Int64(tokens),
+        Int64(top_k),
+        Int64(n_experts),
+        Int64(hidden),
+        grid_dim=(tokens * (hidden // 4) + 255) // 256,
+        block_dim=256,
+    )
+
+
+def launch_prefill_gate_up(
+    ctx: DeviceContext,
+    cfg: Int,
+    h: Pointer[Float32, MutAnyOrigin],
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    tokens: Int,
+    top_k: Int,
+    n_experts: Int,
+    rows: Int,
+    hidden: Int,
+) raises:
+    """Route + gate_up GEMM for a whole step (cfg from prefill_choice)."""
+    comptime for c in range(N_CONFIGS):
+        if cfg == c:
+            _gate_up_cfg[c](ctx, h, x, ids, blocks, scales, bias, tokens, top_k, n_experts, rows, hidden)
+
+
+def launch_prefill_down[
+    out_dtype: DType
+](
+    ctx: DeviceContext,
+    cfg: Int,
+    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
+    partial: Pointer[Float32, MutAnyOrigin],
+    h: Pointer[Float32, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    tokens: Int,
+    top_k: Int,
+    n_experts: Int,
+    hidden: Int,
+    inter: Int,
+) raises:
+    """The down GEMM + top-k combine, reading the route gate_up left in h."""
+    comptime for c in range(N_CONFIGS):
+        if cfg == c:
+            _down_cfg[c, out_dtype](
+                ctx, output, partial, h, ids, wts, blocks, scales, bias, tokens, top_k, n_experts, hidden, inter
+            )
