@@ -247,6 +247,10 @@ def copy_bandwidth(torch, gib: float = 2.0, reps: int = 20) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--prefill" in (sys.argv[1:] if argv is None else argv):
+        from moe_prefill import main as prefill_main  # issue 5: bench/moe_prefill.py
+
+        return prefill_main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="120b,20b", help="comma list of 120b, 20b")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64", help="comma list of routed token counts")

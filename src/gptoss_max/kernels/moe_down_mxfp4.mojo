@@ -5,6 +5,7 @@ from max.gpu.host import DeviceContext
 from std.utils.coord import Coord
 
 from .moe_gpu import CHUNK_TOKENS, launch_down, n_counters
+from .moe_prefill_gpu import launch_prefill_down, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, mxfp4_row_dot
 
 
@@ -23,6 +24,8 @@ struct MoeDownMxfp4:
       counters     [ceil(H / 8)] u32   from gptoss_moe_gate_up_mxfp4 (zeroed)
       partial      [T, K, H] f32        scratch output of the GPU path
                                         (per-pair products before the sum)
+      path         CPU int32 scalar, as gptoss_moe_gate_up_mxfp4's (both ops
+                   of a step must get the same)
 
     GPU: moe_gpu.mojo, in chunks of CHUNK_TOKENS tokens. CPU: one output
     element per task, below (partial and counters unused).
@@ -41,6 +44,7 @@ struct MoeDownMxfp4:
         scales: InputTensor[dtype=DType.uint8, rank=3, ...],
         bias: InputTensor[dtype=DType.float32, rank=2, ...],
         counters: InputTensor[dtype=DType.uint32, rank=1, ...],
+        path: Int32,
         ctx: DeviceContext,
     ) raises:
         var hp = h.unsafe_ptr()
@@ -58,6 +62,14 @@ struct MoeDownMxfp4:
 
         comptime if target == "gpu":
             var tokens = output.dim_size[0]()
+            comptime if output.dtype == DType.bfloat16:
+                var cfg = prefill_choice(tokens, top_k, n_experts, hidden, inter, Int(path))
+                if cfg >= 0:
+                    launch_prefill_down[output.dtype](
+                        ctx, cfg, output.unsafe_ptr(), partial.unsafe_ptr(), hp, ids, wp, bp, sp, biasp,
+                        tokens, top_k, n_experts, hidden, inter,
+                    )
+                    return
             var t0 = 0
             # The counters are written here although they arrive as an input:
             # they are this op pair's private scratch (see the gate_up op).

@@ -6,6 +6,7 @@ from std.utils.coord import Coord
 
 from .moe_common import gptoss_swiglu
 from .moe_gpu import CHUNK_TOKENS, launch_gate_up, n_counters
+from .moe_prefill_gpu import launch_prefill_gate_up, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, mxfp4_row_dot
 
 
@@ -23,6 +24,8 @@ struct MoeGateUpMxfp4:
       counters [ceil(H / 8)] u32   zeroed here for gptoss_moe_down_mxfp4
                                     of the same step (GPU path's tile
                                     counters; the CPU path just zeroes it)
+      path     CPU int32 scalar: 0 auto, 1 decode kernel, 2 + c prefill
+               tile configuration c (moe_prefill_gpu.prefill_choice); GPU only
 
     GPU: moe_gpu.mojo (routed experts only, tensor cores), in chunks of
     CHUNK_TOKENS tokens. CPU: one element per task, below.
@@ -39,6 +42,7 @@ struct MoeGateUpMxfp4:
         blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
         scales: InputTensor[dtype=DType.uint8, rank=3, ...],
         bias: InputTensor[dtype=DType.float32, rank=2, ...],
+        path: Int32,
         ctx: DeviceContext,
     ) raises:
         var xp = x.unsafe_ptr()
@@ -56,6 +60,14 @@ struct MoeGateUpMxfp4:
 
         comptime if target == "gpu":
             var tokens = x.dim_size[0]()
+            comptime if x.dtype == DType.bfloat16:
+                var cfg = prefill_choice(tokens, top_k, n_experts, hidden, rows // 2, Int(path))
+                if cfg >= 0:
+                    launch_prefill_gate_up(
+                        ctx, cfg, output.unsafe_ptr(), rebind[Pointer[BFloat16, ImmutAnyOrigin]](xp),
+                        ids, bp, sp, biasp, tokens, top_k, n_experts, rows, hidden,
+                    )
+                    return
             var step = CHUNK_TOKENS
             var t0 = 0
             while t0 < tokens:

@@ -18,6 +18,15 @@ if TYPE_CHECKING:
 
 ACTIVATION_DTYPES = (DType.float32, DType.bfloat16)
 
+# GPU kernel choice of the MXFP4 pair (moe_prefill_gpu.mojo): auto by
+# routed pairs per expert, the decode kernel, or prefill tile config c.
+PATH_AUTO = 0
+PATH_DECODE = 1
+
+
+def path_prefill(config: int) -> int:
+    return 2 + config
+
 
 def _load_kernels() -> None:
     graph = Graph.current
@@ -56,6 +65,7 @@ def _run_moe(
     gate_up: list[TensorValue],
     down: list[TensorValue],
     intermediate: Dim,
+    path: int | TensorValue = PATH_AUTO,
 ) -> TensorValue:
     _load_kernels()
     tokens, top_k = topk_ids.shape
@@ -68,15 +78,18 @@ def _run_moe(
         )[0].tensor
     # The MXFP4 pair also passes tile counters (zeroed by gate_up) and a
     # per-(token, k) scratch for the GPU path's combine; see moe_gpu.mojo.
+    # `path` picks the GPU kernel (moe_prefill_gpu.prefill_choice); both
+    # ops get the same one.
     hidden = x.shape[1]
     counters_type = TensorType(DType.uint32, [counter_count(hidden)], x.device)
+    path_value = ops.constant(path, DType.int32, device=DeviceRef.CPU()) if isinstance(path, int) else path
     h, counters = ops.custom(
-        "gptoss_moe_gate_up_mxfp4", x.device, [x, topk_ids, *gate_up], [h_type, counters_type]
+        "gptoss_moe_gate_up_mxfp4", x.device, [x, topk_ids, *gate_up, path_value], [h_type, counters_type]
     )
     out, _partial = ops.custom(
         "gptoss_moe_down_mxfp4",
         x.device,
-        [h, topk_ids, topk_weights, *down, counters],
+        [h, topk_ids, topk_weights, *down, counters, path_value],
         [out_type, TensorType(DType.float32, [tokens, top_k, hidden], x.device)],
     )
     return out.tensor
@@ -100,8 +113,11 @@ def moe_mxfp4(
     down_blocks: TensorValue,  # [E, H, I/2] u8
     down_scales: TensorValue,  # [E, H, I/32] u8
     down_bias: TensorValue,  # [E, H] f32
+    path: int | TensorValue = PATH_AUTO,  # or a CPU int32 scalar (benchmarks)
 ) -> TensorValue:  # [T, H] x.dtype
-    """gpt-oss experts with MXFP4 weights, reading only the routed experts."""
+    """gpt-oss experts with MXFP4 weights, reading only the routed experts.
+    On the GPU, `path` (PATH_AUTO by default) picks the decode kernel or the
+    prefill grouped GEMM; the CPU ignores it."""
     topk_ids, topk_weights = _routing(x, topk_ids, topk_weights)
     n_experts, rows, half_h = gate_up_blocks.shape
     _check_dim("gate_up_blocks last dim", half_h * 2, x.shape[1])
@@ -118,6 +134,7 @@ def moe_mxfp4(
         [gate_up_blocks, gate_up_scales, _as(gate_up_bias, DType.float32)],
         [down_blocks, down_scales, _as(down_bias, DType.float32)],
         down_blocks.shape[2] * 2,
+        path,
     )
 
 

@@ -1,0 +1,160 @@
+"""Host-side logic of the MXFP4 prefill path (kernels/moe_prefill_gpu.mojo),
+checked on the CPU by running the kernel package's own functions in a small
+Mojo program: the path choice both ops make, the k order the weight decode
+and the activation permute agree on (a dot product through them equals the
+plain one), the decode-ordered h layout, and the block -> tile map of the
+grouped GEMM grid (every tile once, nothing past the end)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gptoss_max import mxfp4
+
+PROGRAM = """
+from gptoss_kernels.moe_prefill_gpu import (
+    N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, decode_word, find_tile, h_slot, permute_x, prefill_choice,
+)
+from std.memory import bitcast
+
+def lcg(mut s: UInt64) -> UInt32:
+    s = s * 6364136223846793005 + 1442695040888963407
+    return UInt32(s >> 32)
+
+def main() raises:
+    print("const", N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT)
+    for t in [1, 2, 8, 16, 31, 32, 64, 128, 512, 2048, 16384]:
+        for e in [8, 32, 128, 300]:
+            for path in [0, 1, 2, 6]:
+                var c: Int
+                try:
+                    c = prefill_choice(t, 4, e, 2880, 2880, path)
+                except:
+                    c = -9
+                print("choice", t, e, path, c)
+    print("choice_small", prefill_choice(64, 4, 8, 64, 48, 0), prefill_choice(64, 4, 8, 2880, 2880, 0))
+    for i in range(64):
+        print("slot", i, h_slot(i))
+    var s: UInt64 = 7
+    for _ in range(400):
+        var w = lcg(s)
+        var sc = 100 + lcg(s) % 40
+        var xw = SIMD[DType.uint32, 4](0)
+        for j in range(4):
+            xw[j] = (lcg(s) & 0x80FF80FF) | 0x3E003E00  # bf16 pairs, |x| in [2^-4, 2^-2)
+        var a = permute_x(xw)
+        var b = decode_word(w, sc)
+        var dot: Float32 = 0
+        for j in range(4):
+            var av = bitcast[DType.bfloat16, 2](a[j]).cast[DType.float32]()
+            var bv = bitcast[DType.bfloat16, 2](b[j]).cast[DType.float32]()
+            dot += av[0] * bv[0] + av[1] * bv[1]
+        print("dot", w, sc, xw[0], xw[1], xw[2], xw[3], dot)
+    # tiles: counts per expert -> tile starts as the route kernel writes them
+    var n_experts = 9
+    var bm = 64
+    var nt = 3
+    var ts = List[Int32]()
+    var counts = [0, 5, 64, 65, 0, 0, 200, 1, 128]
+    var acc = 0
+    for e in range(n_experts):
+        ts.append(Int32(acc))
+        acc += (counts[e] + bm - 1) // bm
+    ts.append(Int32(acc))
+    for e in range(n_experts):
+        print("count", e, counts[e])
+    for b in range(acc * nt + 5):
+        var r = find_tile(Pointer(to=ts[0]), n_experts, nt, b)
+        print("tile", b, r[0], r[1], r[2], r[3])
+"""
+
+
+@pytest.fixture(scope="module")
+def lines(tmp_path_factory) -> list[list[str]]:
+    from mojo.run import subprocess_run_mojo
+
+    from gptoss_max.kernels import kernels_path
+
+    src = tmp_path_factory.mktemp("prefill") / "probe.mojo"
+    src.write_text(PROGRAM)
+    done = subprocess_run_mojo(["run", "-I", str(kernels_path().parent), str(src)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [ln.split() for ln in done.stdout.splitlines() if ln.strip()]
+
+
+def _rows(lines, tag):
+    return [r[1:] for r in lines if r[0] == tag]
+
+
+def test_path_choice(lines) -> None:
+    n_configs, min_ppe = map(int, _rows(lines, "const")[0])
+    for t, e, path, got in (map(int, r) for r in _rows(lines, "choice")):
+        if e > 256:  # over the kernel's expert limit: decode, or an error when forced
+            want = -9 if path >= 2 else -1
+        elif path == 1:
+            want = -1
+        elif path >= 2:
+            want = path - 2 if path - 2 < n_configs else -9
+        else:
+            want = -1 if t * 4 < min_ppe * e else None
+        if want is None:
+            assert 0 <= got < n_configs, (t, e, path, got)
+        else:
+            assert got == want, (t, e, path, got)
+    # 64 tokens x 4 over 8 experts with I = 48 (not a multiple of 32): decode kernel
+    small, real = map(int, _rows(lines, "choice_small")[0])
+    assert small == -1 and real >= 0
+
+
+def test_h_layout_is_the_decode_order(lines) -> None:
+    slot = {int(i): int(p) for i, p in _rows(lines, "slot")}
+    assert sorted(slot.values()) == list(range(64))
+    for base in range(0, 64, 8):
+        stored = [None] * 8
+        for r in range(8):
+            stored[slot[base + r] - base] = r
+        # pair words of a row as down reads them: (e3,e7) (e2,e6) (e1,e5) (e0,e4)
+        assert stored == [3, 7, 2, 6, 1, 5, 0, 4]
+
+
+def _bf16(words: np.ndarray) -> np.ndarray:
+    """u32 words -> their two bf16 halves (low first) as float64."""
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint32) << 16
+    return halves.view(np.float32).astype(np.float64).reshape(-1)
+
+
+def test_decode_and_permute_agree_on_k_order(lines) -> None:
+    """A lane's 8 weights (one u32 of codes) decoded and its 8 activations
+    permuted give the plain dot product: the k orders match."""
+    rows = _rows(lines, "dot")
+    assert len(rows) == 400
+    for w, sc, x0, x1, x2, x3, dot in rows:
+        codes = np.array([(int(w) >> (4 * j)) & 15 for j in range(8)], dtype=np.uint8)
+        block = np.zeros((1, 16), dtype=np.uint8)
+        block[0, :4] = codes[0::2] | (codes[1::2] << 4)
+        wv = mxfp4.decode(block.reshape(1, 1, 16), np.array([[int(sc)]], dtype=np.uint8)).reshape(-1)[:8]
+        xv = _bf16(np.array([int(x0), int(x1), int(x2), int(x3)], dtype=np.uint64))
+        want = float(np.dot(xv, wv.astype(np.float64)))
+        assert math.isclose(float(dot), want, rel_tol=1e-5, abs_tol=1e-6 * np.abs(xv * wv).sum()), (w, sc)
+
+
+def test_tiles_cover_each_expert_tile_once(lines) -> None:
+    counts = {int(e): int(c) for e, c in _rows(lines, "count")}
+    bm, nt = 64, 3
+    want = {(e, m, n) for e, c in counts.items() for m in range(-(-c // bm)) for n in range(nt)}
+    seen, order = [], []
+    for b, e, m, n, ok in (map(int, r) for r in _rows(lines, "tile")):
+        if b < len(want):
+            assert ok == 1, b
+            seen.append((e, m, n))
+            order.append(b)
+        else:
+            assert ok == 0, b
+    assert sorted(seen) == sorted(want) and len(seen) == len(want)
+    # m tiles of one expert are adjacent for each n tile (they share its weights in L2)
+    for e in counts:
+        tiles = [t for t in seen if t[0] == e]
+        assert tiles == sorted(tiles, key=lambda t: (t[2], t[1]))
