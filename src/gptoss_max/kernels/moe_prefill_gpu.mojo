@@ -30,9 +30,11 @@
 # 16 bytes of x it loads (byte_permute), and writes h already permuted, so
 # down loads its A words as they are.
 #
-# Shared memory per stage: A [BM][32] bf16 (64-byte rows: a quarter warp's
-# 16-byte loads cover two whole rows, no bank conflicts), B [BN][16] bytes,
-# both filled by cp.async; the tile's E8M0 scales [BN][K/32] once up front.
+# Shared memory per stage, all filled by cp.async: A [BM][32] bf16 (64-byte
+# rows: a quarter warp's 16-byte loads cover two whole rows, no bank
+# conflicts), B [BN][16] bytes, and per weight row the 4-byte aligned window
+# of its scale row that holds this block's E8M0 byte (rows are K/32 = 90
+# bytes, so only 2-byte aligned).
 
 from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
@@ -56,8 +58,6 @@ comptime PREFILL_MIN_PAIRS_PER_EXPERT = 4
 # Tile configurations (compile-time): BM token rows x BN weight rows per
 # block, WARPS_M x WARPS_N warps, STAGES-deep cp.async pipeline.
 comptime N_CONFIGS = 5
-# Scales of a tile are staged whole: K <= 32 * MAX_KB.
-comptime MAX_KB = 96
 
 
 @always_inline
@@ -104,7 +104,7 @@ def prefill_feasible(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter
     var n_pairs = tokens * top_k
     if n_pairs == 0 or n_experts > PREFILL_MAX_EXPERTS:
         return False
-    if hidden % 32 != 0 or inter % 32 != 0 or hidden > 32 * MAX_KB or inter > 32 * MAX_KB:
+    if hidden % 32 != 0 or inter % 32 != 0:
         return False
     return meta_words(n_pairs, n_experts) <= n_pairs * inter // 2
 
@@ -269,13 +269,17 @@ def _issue[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     a_off: Array[Int, A_PER_T],
     b_off: Int,
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    s_off: Int,
     a_sm: Pointer[BFloat16, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     b_sm: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    s_sm: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     tid: Int,
     stage: Int,
     kb: Int,
 ):
-    """cp.async of stage `stage` <- MXFP4 block kb: A [BM][32] bf16, B [BN][16] bytes."""
+    """cp.async of stage `stage` <- MXFP4 block kb: A [BM][32] bf16, B [BN][16]
+    bytes, and per weight row the aligned 4 scale bytes holding block kb's."""
     comptime A_CHUNKS = BM * 4
     comptime for u in range(A_PER_T):
         var c = tid + u * THREADS
@@ -288,6 +292,10 @@ def _issue[
         async_copy[16](
             blocks.unsafe_offset(b_off + kb * 16).unsafe_address_space_cast[AddressSpace.GLOBAL](),
             b_sm.unsafe_offset(stage * BN * 16 + tid * 16),
+        )
+        async_copy[4](
+            scales.unsafe_offset((s_off + kb) & ~3).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            s_sm.unsafe_offset(stage * BN * 4 + tid * 4),
         )
 
 
@@ -335,15 +343,8 @@ def gemm_kernel[
 
     var a_sm = stack_allocation[STAGES * BM * 32, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
     var b_sm = stack_allocation[STAGES * BN * 16, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
-    var s_sm = stack_allocation[BN * MAX_KB, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
-
+    var s_sm = stack_allocation[STAGES * BN * 4, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
     var tid = Int(thread_idx.x)
-    # The tile's scales, once: [BN][nkb] (rows past N read row N-1).
-    for idx in range(tid, BN * nkb, THREADS):
-        var r = idx // nkb
-        var kb = idx - r * nkb
-        var gr = min(n0 + r, n_rows - 1)
-        s_sm[unsafe_offset=r * nkb + kb] = scales[unsafe_offset=(e * n_rows + gr) * nkb + kb]
 
     # Each thread copies fixed chunks every stage: element offsets of its A
     # chunks (gathered rows) and, for tid < BN, one weight row's block.
@@ -358,11 +359,15 @@ def gemm_kernel[
         else:
             src_row = Int(sorted[unsafe_offset=row0 + r]) // top_k
         a_off[u] = src_row * k_dim + (c & 3) * 8
+    # weight rows past N load row N - 1 (their results are not stored)
     var b_off = (e * n_rows + min(n0 + tid, n_rows - 1)) * (k_dim // 2)
+    var s_off = (e * n_rows + min(n0 + tid, n_rows - 1)) * nkb
 
     comptime for s in range(STAGES - 1):
         if s < nkb:
-            _issue[BM, BN, THREADS, A_PER_T](a_src, blocks, a_off, b_off, a_sm, b_sm, tid, s, s)
+            _issue[BM, BN, THREADS, A_PER_T](
+                a_src, blocks, a_off, b_off, scales, s_off, a_sm, b_sm, s_sm, tid, s, s
+            )
         async_copy_commit_group()
 
     var lane = Int(lane_id())
@@ -373,13 +378,19 @@ def gemm_kernel[
     var acc = Array[SIMD[DType.float32, 4], MT * NT8](fill=0)
     var a32 = a_sm.unsafe_bitcast[UInt32]()
     var b32 = b_sm.unsafe_bitcast[UInt32]()
+    # scale byte of this lane's row j in its stage's 4-byte window: (off + kb) & 3
+    var s_row = Array[Int, NT8](fill=0)
+    comptime for j in range(NT8):
+        s_row[j] = (e * n_rows + min(n0 + wn0 + j * 8 + g, n_rows - 1)) * nkb
 
     for kb in range(nkb):
         async_copy_wait_group(Int32(STAGES - 2))
         barrier()
         var nxt = kb + STAGES - 1
         if nxt < nkb:
-            _issue[BM, BN, THREADS, A_PER_T](a_src, blocks, a_off, b_off, a_sm, b_sm, tid, nxt % STAGES, nxt)
+            _issue[BM, BN, THREADS, A_PER_T](
+                a_src, blocks, a_off, b_off, scales, s_off, a_sm, b_sm, s_sm, tid, nxt % STAGES, nxt
+            )
         async_copy_commit_group()
         var stage = kb % STAGES
         # B: this lane's weight row of each n8 tile, decoded.
@@ -388,7 +399,7 @@ def gemm_kernel[
         var sc = Array[UInt32, NT8](fill=0)
         comptime for j in range(NT8):
             var r = wn0 + j * 8 + g
-            sc[j] = UInt32(s_sm[unsafe_offset=r * nkb + kb])
+            sc[j] = UInt32(s_sm[unsafe_offset=stage * BN * 4 + r * 4 + ((s_row[j] + kb) & 3)])
             big = big or sc[j] > 128
         var big_any = vote[DType.uint32](big) != 0
         comptime for j in range(NT8):
