@@ -64,3 +64,25 @@ def test_graphs_build_on_cpu(bench):
     g = bench.build_ours(2, 1, cpu)
     assert len(g.inputs) == 2 + 2 * 2 + 6
     assert bench.build_stock(8, cpu) is not None
+
+
+@pytest.mark.slow
+def test_path_scalar_reaches_the_op_on_cpu(bench):
+    """The bench's graph takes the kernel path as a rank-0 CPU int32 buffer;
+    the CPU op ignores it, so every path gives the reference's result."""
+    import torch
+    from max.driver import CPU, Buffer
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef
+
+    session = InferenceSession(devices=[CPU()])
+    model = session.load(bench.build_ours(1, 1, DeviceRef.CPU()))
+    gen = torch.Generator().manual_seed(1)
+    s = bench.dec.make_set(torch, 4, bench.HIDDEN, bench.INTER, gen, "cpu")
+    x = torch.randn(2, bench.HIDDEN, generator=gen).to(torch.bfloat16)
+    ids, w = bench.dec.routing(torch, 2, 4, gen, "cpu")
+    ours = bench.Ours(model, model, None, lambda t: Buffer.from_dlpack(t.contiguous()), 1)
+    ref = bench.dec.reference(torch, x, ids, w, s)
+    for path in (bench.PATH_AUTO, bench.PATH_DECODE, bench.path_prefill(0)):
+        got = ours.run(path, x, ids, w, [Buffer.from_dlpack(t.contiguous()) for t in s.tensors()])
+        assert bench.dec.rel_err(torch, got, ref) < 5e-3
