@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 from gptoss_max import maxapi
 
 
@@ -126,3 +128,26 @@ def test_kv_occupancy_reads_max_kv_managers():
 
     names = {n for n, obj in inspect.getmembers(kv_cache) if inspect.isclass(obj) and hasattr(obj, "block_count")}
     assert names, "no MAX KV manager class has block_count() any more"
+
+
+def test_graph_capture_buffers_follow_the_model_call():
+    """Device graph capture replays the compiled model with `inputs.buffers`: they must be
+    exactly what MAX's GptOssModel.execute passes it, in that order."""
+    from types import SimpleNamespace
+
+    from max.driver import CPU, Buffer
+
+    from gptoss_max.arch.model import NativeGptOssBatchProcessor, NativeGptOssInputs, NativeGptOssModel
+
+    assert NativeGptOssModel.batch_processor_cls is NativeGptOssBatchProcessor
+    b = [Buffer.from_numpy(np.array([i], np.int64)) for i in range(7)]
+    inputs = NativeGptOssInputs(
+        tokens=b[0], input_row_offsets=[b[1]], signal_buffers=[b[2], b[3]], return_n_logits=b[4],
+        kv_cache_inputs=[b[5], b[6]],
+    )  # fmt: skip
+    seen: list = []
+    compiled = SimpleNamespace(execute=lambda *args: seen.extend(args) or [b[0]])
+    maxapi.GptOssModel.execute(SimpleNamespace(model=compiled, devices=[CPU()]), inputs)
+    assert len(seen) == 7 and all(x is y for x, y in zip(seen, inputs.buffers, strict=True))
+    # tokens, return_n_logits, row offsets, signal buffers, KV leaves
+    assert [int(x.to_numpy()[0]) for x in inputs.buffers] == [0, 4, 1, 2, 3, 5, 6]

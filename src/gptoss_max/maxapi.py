@@ -18,11 +18,12 @@ from max.nn.comm import Signals
 from max.pipelines import PIPELINE_REGISTRY
 from max.pipelines.architectures.gpt_oss import gpt_oss as stock_gpt_oss_module
 from max.pipelines.architectures.gpt_oss.arch import gpt_oss_arch as stock_gpt_oss_arch
+from max.pipelines.architectures.gpt_oss.batch_processor import GptOssBatchProcessor
 from max.pipelines.architectures.gpt_oss.gpt_oss import GptOss as StockGptOss
 from max.pipelines.architectures.gpt_oss.layers import transformer_block as stock_block_module
 from max.pipelines.architectures.gpt_oss.layers.attention import GptOssAttention
 from max.pipelines.architectures.gpt_oss.memory_planner import GptOssMemoryPlanner
-from max.pipelines.architectures.gpt_oss.model import GptOssModel
+from max.pipelines.architectures.gpt_oss.model import GptOssInputs, GptOssModel
 from max.pipelines.architectures.gpt_oss.model_config import GptOssConfig
 from max.pipelines.context import SamplingParams
 from max.pipelines.kv_cache.config import KVCacheConfig
@@ -58,6 +59,18 @@ def kv_occupancy(kv_manager: Any) -> tuple[int, int, int | None]:
     return int(count.used), int(count.total), requests
 
 
+def model_abi_buffers(inputs: Any) -> tuple[Any, ...]:
+    """The positional buffers of MAX 26.7's gpt_oss model call, in `GptOssModel.execute`'s order:
+    tokens, return_n_logits, row offsets per device, signal buffers, KV-cache leaves. MAX's device
+    graph capture (and replay) calls the compiled model with exactly these; 26.7's GptOssInputs
+    does not define them (`buffers` raises), so its gpt_oss cannot be captured as shipped."""
+    from max import tree
+
+    offsets = inputs.input_row_offsets if isinstance(inputs.input_row_offsets, list) else [inputs.input_row_offsets]
+    kv = tree.leaves(inputs.kv_cache_inputs) if inputs.kv_cache_inputs is not None else []
+    return (inputs.tokens, inputs.return_n_logits, *offsets, *inputs.signal_buffers, *kv)
+
+
 __all__ = [
     "kv_occupancy",
     "PIPELINE_REGISTRY",
@@ -71,6 +84,9 @@ __all__ = [
     "TextGenerationRequest",
     "Signals",
     "GptOssAttention",
+    "GptOssBatchProcessor",
+    "GptOssInputs",
+    "model_abi_buffers",
     "GptOssConfig",
     "GptOssMemoryPlanner",
     "GptOssModel",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, ClassVar
 
 from max.dtype import DType
@@ -58,8 +59,24 @@ class NativeGptOss(maxapi.StockGptOss):
                 use_sink_attention(block)
 
 
+@dataclasses.dataclass
+class NativeGptOssInputs(maxapi.GptOssInputs):
+    """MAX's gpt_oss inputs plus the model ABI buffers device graph capture replays."""
+
+    @property
+    def buffers(self) -> tuple[Any, ...]:
+        return maxapi.model_abi_buffers(self)
+
+
+class NativeGptOssBatchProcessor(maxapi.GptOssBatchProcessor):
+    def prepare_initial_token_inputs(self, *args: Any, **kwargs: Any) -> NativeGptOssInputs:
+        inputs = super().prepare_initial_token_inputs(*args, **kwargs)
+        return NativeGptOssInputs(**{f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)})
+
+
 class NativeGptOssModel(maxapi.GptOssModel):
     model_config_cls: ClassVar[type[Any]] = NativeGptOssConfig
+    batch_processor_cls: ClassVar[type[Any]] = NativeGptOssBatchProcessor
 
     def _load_state_dict(self) -> dict[str, Any]:
         cfg = self.huggingface_config.to_dict()
