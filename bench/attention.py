@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import statistics
@@ -48,6 +49,11 @@ class Case:
     batch: int
     new: int  # tokens per sequence this step
     cached: int  # tokens per sequence already in the cache
+    extra: tuple[tuple[int, int], ...] = ()  # more sequences (new, cached) after those: mixed steps
+
+    @property
+    def seqs(self) -> list[tuple[int, int]]:
+        return [(self.new, self.cached)] * self.batch + list(self.extra)
 
 
 CASES = [
@@ -58,6 +64,8 @@ CASES = [
     Case("decode b64 ctx1k", 64, 1, 1279),
     Case("prefill 1x1024", 1, 1024, 0),
     Case("prefill 1x2048", 1, 2048, 0),
+    Case("chunk 512 after 1536", 1, 512, 1536),
+    Case("mixed chunk 256 + 7 decode", 1, 256, 300, ((1, 1279),) * 7),
 ]
 
 
@@ -84,9 +92,8 @@ def reference(torch, q, keys, values, sinks, positions, scale: float, window: in
 
 def kv_bytes(case: Case) -> int:
     """Bytes of K and V a (sliding, full) layer pair reads for one step."""
-    total = case.cached + case.new
     per_key = N_KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
-    return case.batch * (min(total, WINDOW + case.new - 1) + total) * per_key
+    return sum(min(new + cached, WINDOW + new - 1) + new + cached for new, cached in case.seqs) * per_key
 
 
 # ---------------------------------------------------------------- MAX graphs
@@ -160,20 +167,22 @@ class Inputs:
         device = "cuda"
 
         self.case = case
-        total = case.cached + case.new
-        pages_per_seq = -(-total // PAGE_SIZE)
-        n_pages = case.batch * pages_per_seq + 3
-        perm = torch.randperm(n_pages, generator=gen, device=device)[: case.batch * pages_per_seq]
-        self.table = perm.reshape(case.batch, pages_per_seq).to(torch.int32)
+        seqs = case.seqs
+        totals = [new + cached for new, cached in seqs]
+        max_pages = max(-(-t // PAGE_SIZE) for t in totals)
+        n_pages = len(seqs) * max_pages + 3
+        perm = torch.randperm(n_pages, generator=gen, device=device)[: len(seqs) * max_pages]
+        self.table = perm.reshape(len(seqs), max_pages).to(torch.int32)
         shape = (n_pages, 2, N_LAYERS, PAGE_SIZE, N_KV_HEADS, HEAD_DIM)
         self.pool = torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
-        tokens = case.batch * case.new
+        tokens = sum(new for new, _ in seqs)
         self.q = (2 * torch.randn(tokens, N_HEADS, HEAD_DIM, generator=gen, device=device)).to(torch.bfloat16)
         self.sinks = (3 + 2 * torch.randn(N_HEADS, generator=gen, device=device)).float()
-        offsets = torch.arange(case.batch + 1, dtype=torch.int32) * case.new
-        lengths = torch.full((case.batch,), case.cached, dtype=torch.int32)
-        parts = mha_decode_num_partitions(case.batch, total, N_KV_HEADS, accel)
-        meta = torch.tensor([case.batch, case.new, parts, total], dtype=torch.int64)
+        offsets = torch.tensor([0, *itertools.accumulate(new for new, _ in seqs)], dtype=torch.int32)
+        lengths = torch.tensor([cached for _, cached in seqs], dtype=torch.int32)
+        max_new = max(new for new, _ in seqs)
+        parts = mha_decode_num_partitions(len(seqs), max(totals), N_KV_HEADS, accel)
+        meta = torch.tensor([len(seqs), max_new, parts, max(totals)], dtype=torch.int64)
 
         def u32(t):
             return Buffer.from_dlpack(t.contiguous()).view(DType.uint32, list(t.shape))
@@ -184,8 +193,8 @@ class Inputs:
             Buffer.from_dlpack(torch.tensor([-1], dtype=torch.int64)),
             u32(lengths.to(device)),
             u32(self.table),
-            u32(torch.tensor([case.new], dtype=torch.int32)),
-            u32(torch.tensor([total], dtype=torch.int32)),
+            u32(torch.tensor([max_new], dtype=torch.int32)),
+            u32(torch.tensor([max(totals)], dtype=torch.int32)),
             u32(offsets.to(device)),
             Buffer.from_dlpack(self.sinks),
             Buffer.from_dlpack(meta),
@@ -193,23 +202,22 @@ class Inputs:
 
     def kv_of(self, b: int, layer: int):
         """Keys and values [total, KVH, D] of sequence b in `layer`."""
-        total = self.case.cached + self.case.new
+        new, cached = self.case.seqs[b]
         pages = self.pool[self.table[b].long()]  # [pages, 2, L, page, KVH, D]
-        k = pages[:, 0, layer].reshape(-1, N_KV_HEADS, HEAD_DIM)[:total]
-        v = pages[:, 1, layer].reshape(-1, N_KV_HEADS, HEAD_DIM)[:total]
+        k = pages[:, 0, layer].reshape(-1, N_KV_HEADS, HEAD_DIM)[: new + cached]
+        v = pages[:, 1, layer].reshape(-1, N_KV_HEADS, HEAD_DIM)[: new + cached]
         return k, v
 
     def expected(self, torch):
         """One (sliding, full) layer pair, the first layer's output rounded
         to bf16 as the graph hands it on."""
-        c = self.case
-        positions = list(range(c.cached, c.cached + c.new))
-        out = []
-        for b in range(c.batch):
-            x = self.q[b * c.new : (b + 1) * c.new]
+        out, row = [], 0
+        for b, (new, cached) in enumerate(self.case.seqs):
+            x = self.q[row : row + new]
+            row += new
             for layer, window in enumerate((WINDOW, None)):
                 k, v = self.kv_of(b, layer)
-                x = reference(torch, x, k, v, self.sinks, positions, SCALE, window)
+                x = reference(torch, x, k, v, self.sinks, list(range(cached, cached + new)), SCALE, window)
                 if layer == 0:
                     x = x.to(torch.bfloat16)
             out.append(x)
@@ -257,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         inp = Inputs(torch, case, gen, dev)
         ref = inp.expected(torch)
-        row: dict = {"case": case.name, "batch": case.batch, "new_tokens": case.new, "cached": case.cached}
+        row: dict = {"case": case.name, "seqs": len(case.seqs), "new_tokens": sum(n for n, _ in case.seqs),
+                     "cached": sum(c for _, c in case.seqs)}  # fmt: skip
         for which, (small, big) in graphs.items():
             got = torch.from_dlpack(small.execute(*inp.args)[0]).clone()
             err = rel_err(torch, got, ref)
@@ -299,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / f"attention_{gpu_tag(gpu_name)}_{today.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{gpu_name}  {today}  copy {copy_tb_s:.2f} TB/s  (per layer, µs)")
-    print(f"{'case':<18} {'ours':>8} {'MAX':>8} {'roof':>7} {'bw_frac':>7} {'err ours':>9} {'err MAX':>8}")
+    print(f"{'case':<27} {'ours':>8} {'MAX':>8} {'roof':>7} {'bw_frac':>7} {'err ours':>9} {'err MAX':>8}")
     for r in rows:
         mx = f"{r['max_us']:.1f}" if "max_us" in r else "-"
         emx = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "-"
-        print(f"{r['case']:<18} {r['ours_us']:>8.1f} {mx:>8} {r['roofline_us']:>7.1f} {r['bw_frac'] or 0:>7.2f} "
+        print(f"{r['case']:<27} {r['ours_us']:>8.1f} {mx:>8} {r['roofline_us']:>7.1f} {r['bw_frac'] or 0:>7.2f} "
               f"{r['ours_rel_err']:>9.1e} {emx:>8}")  # fmt: skip
     print(f"wrote {path}")
     if failures:

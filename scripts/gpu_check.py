@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--forced", type=int, default=90)
     ap.add_argument("--experts", nargs="+", default=["mxfp4", "bf16"])
     ap.add_argument("--encoding", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--attention", choices=["ours", "max"], default="ours", help="sets GPTOSS_MAX_ATTENTION")
+    ap.add_argument("--attention", choices=["ours", "max", "hybrid"], default="ours", help="sets GPTOSS_MAX_ATTENTION")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     os.environ["GPTOSS_MAX_ATTENTION"] = args.attention

@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--forced", type=int, default=250, help="teacher-forced decode steps")
     ap.add_argument("--encodings", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="our pipeline's encodings to check (each is one compile)")  # fmt: skip
-    ap.add_argument("--attention", choices=["ours", "max"], default="ours", help="sets GPTOSS_MAX_ATTENTION")
+    ap.add_argument("--attention", choices=["ours", "max", "hybrid"], default="ours", help="sets GPTOSS_MAX_ATTENTION")
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="cpu: a smoke run of the script")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for each of our runs")
     ap.add_argument("--out", type=Path, required=True, help="directory for the JSON (and the logs)")

@@ -49,3 +49,5 @@ def test_kv_bytes_counts_window_and_full_layer(bench):
     assert bench.kv_bytes(bench.Case("x", 2, 1, 999)) == 2 * (128 + 1000) * per_key
     # a 10-token prefill from empty: both read every key
     assert bench.kv_bytes(bench.Case("x", 1, 10, 0)) == 20 * per_key
+    # a mixed step: a 10-token chunk after 500 cached, one decode row at 999
+    assert bench.kv_bytes(bench.Case("x", 1, 10, 500, ((1, 999),))) == (137 + 510 + 128 + 1000) * per_key

@@ -28,13 +28,29 @@ def api_key() -> str | None:
 
 
 def attention_impl() -> str:
-    """`GPTOSS_MAX_ATTENTION`: `ours` (our sink-attention op), `max` (MAX's flash attention), or `auto`.
-
-    `auto` is ours: MAX 26.7's GPU decode disagrees with the reference (see docs/GPU.md). `max`
-    applies on a GPU only: on a CPU ours is always used (MAX's over-counts sinks past 128 keys and
+    """`GPTOSS_MAX_ATTENTION`: `auto` (= `hybrid`), `hybrid`, `ours` or `max`; what a GPU graph's
+    attention core is (a CPU graph always uses ours: MAX's over-counts sinks past 128 keys and
     rejects windows < 256). Read in the process that builds the graph.
+
+    `ours`: our sink-attention op for every step. `max`: MAX's flash_attention_ragged for every
+    step; MAX 26.7's GPU decode path disagrees with the reference (docs/GPU.md). `hybrid`: MAX's
+    for steps that hold a prompt chunk (its prefill path agrees with the reference and uses tensor
+    cores), ours for pure decode steps; chosen in the graph from the step's max prompt length.
     """
     value = os.environ.get("GPTOSS_MAX_ATTENTION", "auto")
-    if value not in ("auto", "ours", "max"):
-        raise ValueError(f"GPTOSS_MAX_ATTENTION must be auto, ours or max, not {value!r}")
-    return "ours" if value == "auto" else value
+    if value not in ("auto", "hybrid", "ours", "max"):
+        raise ValueError(f"GPTOSS_MAX_ATTENTION must be auto, hybrid, ours or max, not {value!r}")
+    return "hybrid" if value == "auto" else value
+
+
+def moe_path() -> int:
+    """`GPTOSS_MAX_MOE_PATH`: which GPU kernel the MXFP4 experts use, `auto` (by routed pairs per
+    expert: the decode kernel or the prefill grouped GEMM), `decode` or `prefill` (its default
+    tile config). Read in the process that builds the graph; a CPU graph ignores it."""
+    from gptoss_max.kernels import ops
+
+    value = os.environ.get("GPTOSS_MAX_MOE_PATH", "auto")
+    paths = {"auto": ops.PATH_AUTO, "decode": ops.PATH_DECODE, "prefill": ops.path_prefill(0)}
+    if value not in paths:
+        raise ValueError(f"GPTOSS_MAX_MOE_PATH must be auto, decode or prefill, not {value!r}")
+    return paths[value]

@@ -1,10 +1,12 @@
-"""gpt-oss attention whose core is our sink-aware op (MAX's is wrong on CPU past 128 keys and drifts in GPU decode)."""
+"""gpt-oss attention whose core is our sink-aware op (MAX's is wrong on CPU past 128 keys and
+in GPU decode), optionally MAX's flash attention for steps that hold a prompt chunk."""
 
 from __future__ import annotations
 
 from max.dtype import DType
-from max.graph import DeviceRef, TensorValue, ops
-from max.nn.kernels import rope_split_store_ragged
+from max.graph import DeviceRef, TensorType, TensorValue, ops
+from max.nn.attention import MHAMaskVariant
+from max.nn.kernels import flash_attention_ragged, rope_split_store_ragged
 from max.nn.kv_cache import PagedCacheValues
 
 from gptoss_max import maxapi
@@ -14,14 +16,17 @@ from gptoss_max.kernels import ops as kernel_ops
 class SinkAttention(maxapi.GptOssAttention):
     """MAX's GptOssAttention (weights, qkv, YaRN rope + KV store, o_proj) with our attention core."""
 
+    hybrid = False  # MAX's flash attention when the step holds a prompt chunk (set by use_sink_attention)
+
     def __call__(self, x: TensorValue, kv_collection: PagedCacheValues, **kwargs) -> TensorValue:
         layer_idx = ops.constant(self.layer_idx, DType.uint32, device=DeviceRef.CPU())
+        offsets = kwargs["input_row_offsets"]
         qkv = self.qkv_proj(x)  # [T, (nh + 2 kvh) * d]
         freqs_cis = ops.cast(self.rope.freqs_cis, qkv.dtype).to(qkv.device)
         xq = rope_split_store_ragged(
             kv_params=self.kv_params,
             qkv=qkv,
-            input_row_offsets=kwargs["input_row_offsets"],
+            input_row_offsets=offsets,
             freqs_cis=freqs_cis,
             kv_collection=kv_collection,
             layer_idx=layer_idx,
@@ -29,15 +34,41 @@ class SinkAttention(maxapi.GptOssAttention):
             interleaved=self.rope.interleaved,
         )
         xq = xq.reshape((-1, self.n_heads, self.kv_params.head_dim))  # [T, nh, d]
-        window = self.local_window_size if self.layer_type == "sliding_attention" else None
-        attn = kernel_ops.attention_with_sinks(
-            xq, kv_collection, layer_idx, kwargs["input_row_offsets"], self.sinks, self.scale, window
-        )
+        sliding = self.layer_type == "sliding_attention"
+
+        def ours() -> TensorValue:
+            window = self.local_window_size if sliding else None
+            return kernel_ops.attention_with_sinks(
+                xq, kv_collection, layer_idx, offsets, self.sinks, self.scale, window
+            )
+
+        def theirs() -> TensorValue:
+            return flash_attention_ragged(
+                self.kv_params,
+                input=xq,
+                kv_collection=kv_collection,
+                layer_idx=layer_idx,
+                input_row_offsets=offsets,
+                mask_variant=MHAMaskVariant.SLIDING_WINDOW_CAUSAL_MASK if sliding else MHAMaskVariant.CAUSAL_MASK,
+                scale=self.scale,
+                local_window_size=self.local_window_size,
+                sink_weights=self.sinks,
+            )
+
+        if self.hybrid:
+            # A step whose longest new run is one token is pure decode: ours. Otherwise MAX's
+            # prefill path, which agrees with the reference (docs/GPU.md, bench/attention.py).
+            prompt = ops.reshape(kv_collection.max_prompt_length, [])
+            has_chunk = ops.greater(prompt, ops.constant(1, prompt.dtype, device=prompt.device))
+            attn = ops.cond(has_chunk, [TensorType(xq.dtype, xq.shape, xq.device)], theirs, ours)[0]
+        else:
+            attn = ours()
         return self.o_proj(ops.reshape(attn, shape=[x.shape[0], -1]))
 
 
-def use_sink_attention(block) -> None:
+def use_sink_attention(block, hybrid: bool = False) -> None:
     """Why: MAX's CPU flash attention over-counts sinks past 128 keys (and rejects windows < 256);
-    its GPU decode disagrees with the reference too. On a GPU, GPTOSS_MAX_ATTENTION=max keeps MAX's."""
+    its GPU decode disagrees with the reference too (its GPU prefill agrees: `hybrid`)."""
     for shard in block.self_attn_shards:
         shard.__class__ = SinkAttention
+        shard.hybrid = hybrid

@@ -55,8 +55,9 @@ class NativeGptOss(maxapi.StockGptOss):
             block.mlp = moe
             block.mlp_shards = [moe]
             use_gptoss_rope([block.self_attn, *block.self_attn_shards])
-            if cpu or settings.attention_impl() == "ours":
-                use_sink_attention(block)
+            impl = "ours" if cpu else settings.attention_impl()
+            if impl != "max":
+                use_sink_attention(block, hybrid=impl == "hybrid")
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ from max.graph import DeviceRef, ShardingStrategy, TensorValue, Weight, ops
 from max.nn.layer import Module
 from max.nn.linear import Linear
 
+from gptoss_max import settings
 from gptoss_max.kernels import ops as moe_ops
 
 
@@ -42,7 +43,7 @@ class ExpertWeights(Module):
             return moe_ops.moe_mxfp4(
                 x, ids, weights,
                 self.gate_up_blocks, self.gate_up_scales, self.gate_up_bias,
-                self.down_blocks, self.down_scales, self.down_bias,
+                self.down_blocks, self.down_scales, self.down_bias, path=settings.moe_path(),
             )  # fmt: skip
         return moe_ops.moe_bf16(
             x, ids, weights, self.gate_up_weight, self.gate_up_bias, self.down_weight, self.down_bias
