@@ -62,6 +62,12 @@ def _warp_sum(v: Float32) -> Float32:
     return r
 
 
+@always_inline
+def _slot(trow: Pointer[UInt32, ImmutAnyOrigin], j: Int, page_size: Int, page_elems: Int, slot_elems: Int) -> Int:
+    """Element offset of key position j's slot (K of layer 0, KV head 0)."""
+    return Int(trow[unsafe_offset=j // page_size]) * page_elems + (j % page_size) * slot_elems
+
+
 def attention_split_kernel[
     dtype: DType, sink_dtype: DType, head_dim: Int
 ](
@@ -129,20 +135,32 @@ def attention_split_kernel[
     var m = NEG_BIG
     var l: Float32 = 0
     var acc = SIMD[DType.float32, D](0)
+    # Two keys per trip (j and j + 32) so four row loads are in flight; the
+    # accumulator is rescaled only when the running max moves.
     var j = j0 + lane
     while j < j1:
-        var page = Int(trow[unsafe_offset=j // page_size])
-        var slot = page * page_elems + (j % page_size) * slot_elems + head_off
-        var kr = kv.unsafe_offset(slot + k_base).unsafe_load[width=D, alignment=16]()
-        var vr = kv.unsafe_offset(slot + v_base).unsafe_load[width=D, alignment=16]()
-        var score = (qv * kr.cast[DType.float32]()).reduce_add()
-        var m_new = max(m, score)
-        var corr = exp2(m - m_new)
-        var p = exp2(score - m_new)
-        l = l * corr + p
-        acc = acc * corr + vr.cast[DType.float32]() * p
-        m = m_new
-        j += 32
+        var j2 = j + 32
+        var has2 = j2 < j1
+        var jb = j2 if has2 else j
+        var sa = _slot(trow, j, page_size, page_elems, slot_elems) + head_off
+        var sb = _slot(trow, jb, page_size, page_elems, slot_elems) + head_off
+        var ka = kv.unsafe_offset(sa + k_base).unsafe_load[width=D, alignment=16]()
+        var kb = kv.unsafe_offset(sb + k_base).unsafe_load[width=D, alignment=16]()
+        var va = kv.unsafe_offset(sa + v_base).unsafe_load[width=D, alignment=16]()
+        var vb = kv.unsafe_offset(sb + v_base).unsafe_load[width=D, alignment=16]()
+        var score_a = (qv * ka.cast[DType.float32]()).reduce_add()
+        var score_b = (qv * kb.cast[DType.float32]()).reduce_add() if has2 else NEG_BIG
+        var m_new = max(m, max(score_a, score_b))
+        if m_new > m:
+            var corr = exp2(m - m_new)
+            l *= corr
+            acc *= corr
+            m = m_new
+        var pa = exp2(score_a - m)
+        var pb = exp2(score_b - m)
+        l += pa + pb
+        acc += va.cast[DType.float32]() * pa + vb.cast[DType.float32]() * pb
+        j += 64
 
     # Merge the warp's lanes.
     var mw = _warp_max(m)
