@@ -35,11 +35,14 @@ class SinkAttention(maxapi.GptOssAttention):
         )
         xq = xq.reshape((-1, self.n_heads, self.kv_params.head_dim))  # [T, nh, d]
         sliding = self.layer_type == "sliding_attention"
+        # Materialized here, outside both branches: a weight first used inside one branch of
+        # ops.cond is defined in that region and does not dominate its use in the other.
+        sinks = TensorValue(self.sinks)
 
         def ours() -> TensorValue:
             window = self.local_window_size if sliding else None
             return kernel_ops.attention_with_sinks(
-                xq, kv_collection, layer_idx, offsets, self.sinks, self.scale, window
+                xq, kv_collection, layer_idx, offsets, sinks, self.scale, window
             )
 
         def theirs() -> TensorValue:
@@ -52,7 +55,7 @@ class SinkAttention(maxapi.GptOssAttention):
                 mask_variant=MHAMaskVariant.SLIDING_WINDOW_CAUSAL_MASK if sliding else MHAMaskVariant.CAUSAL_MASK,
                 scale=self.scale,
                 local_window_size=self.local_window_size,
-                sink_weights=self.sinks,
+                sink_weights=sinks,
             )
 
         if self.hybrid:
