@@ -121,9 +121,15 @@ def test_chat_completions(client):
     assert 1 <= out.usage.completion_tokens <= 8
 
 
+def _metrics(base: str, *names: str) -> tuple[float | None, ...]:
+    """The named figures from one scrape of /metrics (so they come from one KV probe snapshot)."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    found = [re.search(rf"^{name} (\S+)$", text, re.M) for name in names]
+    return tuple(float(f.group(1)) if f else None for f in found)
+
+
 def _metric(base: str, name: str) -> float | None:
-    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics", timeout=10).text, re.M)
-    return float(found.group(1)) if found else None
+    return _metrics(base, name)[0]
 
 
 def _until(fn, timeout: float, step: float = 0.1):
@@ -145,23 +151,27 @@ def test_dropped_stream_frees_the_worker(live, client):
     assert _until(lambda: _metric(base, "gptoss_kv_requests") == 0, 10)
     body = {"model": MODEL, "input": "Go on and on.", "max_output_tokens": budget, "stream": True,
             "temperature": 1.0}  # fmt: skip
+    kv = ("gptoss_kv_requests", "gptoss_kv_blocks_used")
     with httpx.stream("POST", f"{base}/v1/responses", json=body, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
+        # Keep the iterator: breaking out of `for line in r.iter_lines()` frees it, and httpcore
+        # closes the connection as it is finalized, which would drop the stream right here.
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("event: response.in_progress"):  # sent after the first token
                 break
         seen: list = []
-        try:
-            _until(lambda: seen.append((_metric(base, "gptoss_kv_requests"), _metric(base, "gptoss_kv_blocks_used")))
-                   or seen[-1][0] == 1, 5)  # fmt: skip
+        try:  # the worker publishes its KV figures every 0.2 s
+            _until(lambda: seen.append(_metrics(base, *kv)) or seen[-1][0] == 1, 5)
         except AssertionError:
             raise AssertionError(f"the worker holds it while it streams; (requests, blocks): {seen[-5:]}") from None
-        held = _metric(base, "gptoss_kv_blocks_used")
+        held = seen[-1][1]
         assert held and held > 0
+        assert (_metric(base, "gptoss_cancelled_total") or 0) == cancelled, "nothing cancelled it while it streamed"
+    # Leaving `with` closed the connection mid-stream: the drop.
     t1 = time.monotonic()
     # A generation that kept running would hold its blocks for ~budget tokens.
-    _until(lambda: _metric(base, "gptoss_kv_requests") == 0 and _metric(base, "gptoss_kv_blocks_used") == 0,
-           per_token * budget / 4)  # fmt: skip
+    _until(lambda: _metrics(base, *kv) == (0, 0), per_token * budget / 4)
     released = time.monotonic() - t1
     assert _metric(base, "gptoss_cancelled_total") >= cancelled + 1
     after = client.responses.create(model=MODEL, input="Quick.", max_output_tokens=4)
