@@ -137,9 +137,12 @@ def test_graph_capture_buffers_follow_the_model_call():
 
     from max.driver import CPU, Buffer
 
-    from gptoss_max.arch.model import NativeGptOssBatchProcessor, NativeGptOssInputs, NativeGptOssModel
+    from gptoss_max.arch import gptoss_max_arch
+    from gptoss_max.arch.model import NativeGptOssBatchProcessor, NativeGptOssInputs
 
-    assert NativeGptOssModel.batch_processor_cls is NativeGptOssBatchProcessor
+    # MAX sets the model's batch processor from the architecture's `batching` at registration
+    assert gptoss_max_arch.batching is NativeGptOssBatchProcessor
+    assert issubclass(NativeGptOssBatchProcessor, maxapi.stock_gpt_oss_arch.batching)
     b = [Buffer.from_numpy(np.array([i], np.int64)) for i in range(7)]
     inputs = NativeGptOssInputs(
         tokens=b[0], input_row_offsets=[b[1]], signal_buffers=[b[2], b[3]], return_n_logits=b[4],

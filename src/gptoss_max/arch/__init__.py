@@ -9,7 +9,12 @@ from max.pipelines.lib import TextTokenizer
 from max.pipelines.modeling.types import PipelineTask
 
 from gptoss_max import maxapi
-from gptoss_max.arch.model import NativeGptOssConfig, NativeGptOssModel, NativeMemoryPlanner
+from gptoss_max.arch.model import (
+    NativeGptOssBatchProcessor,
+    NativeGptOssConfig,
+    NativeGptOssModel,
+    NativeMemoryPlanner,
+)
 
 ARCH_NAME = "GptOssForCausalLM"
 
@@ -19,7 +24,7 @@ gptoss_max_arch = maxapi.SupportedArchitecture(
     default_encoding="bfloat16",
     supported_encodings=NativeGptOssConfig.SUPPORTED_ENCODINGS,
     pipeline_model=NativeGptOssModel,
-    batching=maxapi.stock_gpt_oss_arch.batching,
+    batching=NativeGptOssBatchProcessor,  # MAX's, plus the model ABI buffers graph capture needs
     task=PipelineTask.TEXT_GENERATION,
     tokenizer=TextTokenizer,
     context_type=TextContext,
