@@ -16,7 +16,8 @@ from gptoss_max import mxfp4
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
-    N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, decode_word, find_tile, h_slot, permute_x, prefill_choice,
+    N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS, decode_word, find_tile, h_slot, permute_x,
+    prefill_choice,
 )
 from std.memory import bitcast
 
@@ -25,7 +26,7 @@ def lcg(mut s: UInt64) -> UInt32:
     return UInt32(s >> 32)
 
 def main() raises:
-    print("const", N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT)
+    print("const", N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS)
     for t in [1, 2, 8, 16, 31, 32, 64, 128, 512, 2048, 16384]:
         for e in [8, 32, 128, 300]:
             for path in [0, 1, 2, 6]:
@@ -90,7 +91,7 @@ def _rows(lines, tag):
 
 
 def test_path_choice(lines) -> None:
-    n_configs, min_ppe = map(int, _rows(lines, "const")[0])
+    n_configs, min_ppe, min_pairs = map(int, _rows(lines, "const")[0])
     for t, e, path, got in (map(int, r) for r in _rows(lines, "choice")):
         if e > 256:  # over the kernel's expert limit: decode, or an error when forced
             want = -9 if path >= 2 else -1
@@ -99,7 +100,7 @@ def test_path_choice(lines) -> None:
         elif path >= 2:
             want = path - 2 if path - 2 < n_configs else -9
         else:
-            want = -1 if t * 4 < min_ppe * e else None
+            want = -1 if t * 4 < min_ppe * e or t * 4 < min_pairs else None
         if want is None:
             assert 0 <= got < n_configs, (t, e, path, got)
         else:

@@ -52,8 +52,11 @@ from .moe_common import gptoss_swiglu
 comptime ROUTE_THREADS = 1024
 comptime PREFILL_MAX_EXPERTS = 256
 # Prefill takes over from the decode kernel at this many routed pairs per
-# expert (T * K / E); measured by bench/moe.py --prefill (see bench/NOTES.md).
+# expert (T * K / E) and this many pairs in all; measured by bench/moe.py
+# --prefill on an H100 (bench/NOTES.md): 120b (E=128) wins from 4 pairs per
+# expert (512 pairs), 20b (E=32) loses at 4 (128 pairs), wins from 8 (256).
 comptime PREFILL_MIN_PAIRS_PER_EXPERT = 4
+comptime PREFILL_MIN_PAIRS = 256
 
 # Tile configurations (compile-time): BM token rows x BN weight rows per
 # block, WARPS_M x WARPS_N warps, STAGES-deep cp.async pipeline.
@@ -86,11 +89,11 @@ def cfg_stages(c: Int) -> Int:
 
 
 def auto_config(pairs_per_expert: Int) -> Int:
-    """Tile configuration for a mean load of routed pairs per expert."""
-    if pairs_per_expert >= 96:
+    """Tile configuration for a mean load of routed pairs per expert: the
+    H100 sweep's best, 32 x 128 (c4) up to 256 pairs per expert (120b at
+    T <= 8192, 20b at T <= 2048), 128 x 128 (c0) from 512."""
+    if pairs_per_expert >= 512:
         return 0
-    if pairs_per_expert >= 24:
-        return 1
     return 4
 
 
@@ -123,7 +126,8 @@ def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: 
         if not ok:
             raise Error("gptoss MoE: prefill path forced on shapes it does not handle")
         return path - 2
-    if not ok or tokens * top_k < PREFILL_MIN_PAIRS_PER_EXPERT * n_experts:
+    var n_pairs = tokens * top_k
+    if not ok or n_pairs < PREFILL_MIN_PAIRS_PER_EXPERT * n_experts or n_pairs < PREFILL_MIN_PAIRS:
         return -1
     return auto_config(tokens * top_k // n_experts)
 
