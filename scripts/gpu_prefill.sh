@@ -8,7 +8,7 @@ set -u
 out=${1:?usage: scripts/gpu_prefill.sh OUT_DIR [bench options]}
 shift
 mkdir -p "$out"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 rc=0
 timeout 330 python3 bench/moe.py --prefill --out "$out" "$@" 2>&1 | tee "$out/moe_prefill.log"
 r=${PIPESTATUS[0]}
@@ -17,4 +17,4 @@ r=${PIPESTATUS[0]}
     | tee "$out/test_moe_op_gpu.log"
 r=${PIPESTATUS[0]}
 [ "$r" -ne 0 ] && { echo "test_moe_op.py (gpu): exit $r" >&2; rc=$r; }
-exit $rc
+exit "$rc"
