@@ -212,3 +212,11 @@ def test_every_model_flag_takes_a_synthetic_spec():
     serve = argparse.Namespace(model="synthetic:tiny,seed=9", devices="cpu", max_length=512, max_batch_size=1,
                                served_model_name=None)  # fmt: skip
     assert serve_pipeline_args(serve).model_path == want
+    # serve --graph-capture reaches MAX's runtime config on a GPU, and is refused on a CPU
+    serve.graph_capture = True
+    with pytest.raises(ValueError, match="graph capture needs a GPU"):
+        serve_pipeline_args(serve)
+    serve.devices = "gpu"
+    assert serve_pipeline_args(serve).runtime.device_graph_capture is True
+    serve.graph_capture = False
+    assert serve_pipeline_args(serve).runtime.device_graph_capture is False
