@@ -25,11 +25,9 @@ Needs MAX (docs/GPU.md for staging) and torch with CUDA.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -235,21 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from max.driver import Accelerator
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef
-    from moe import Timer, copy_bandwidth, gpu_tag, rel_err, version_of
+    from moe import copy_bandwidth, gpu_tag, open_gpu, rel_err, result_header
 
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
     cases = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
-    gpu_name = torch.cuda.get_device_name()
-    today = datetime.date.today()
-    dev = Accelerator()
-    session = InferenceSession(devices=[dev])
-    dref = DeviceRef.from_device(dev)
-    timer = Timer(dev)
+    gpu = open_gpu(torch)
+    gpu_name, today, dev, session, dref, timer = gpu.gpu_name, gpu.today, gpu.dev, gpu.session, gpu.dref, gpu.timer
     copy_tb_s = copy_bandwidth(torch)
     print(f"device {gpu_name}; copy {copy_tb_s:.2f} TB/s (read + write)", flush=True)
 
@@ -273,11 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{which}_rel_err"] = float(f"{err:.3g}")
             if which == "ours" and not err <= REL_TOL:
                 failures.append(f"{case.name}: rel err {err:.3g}")
-            ts, tb = [], []
-            for _ in range(3):
-                ts += timer.time_ms(small, inp.args, reps=args.reps)
-                tb += timer.time_ms(big, inp.args, reps=args.reps)
-            row[f"{which}_us"] = round(1e3 * (statistics.median(tb) - statistics.median(ts)) / (2 * args.chain), 2)
+            slope_ms, _ = timer.slope_ms(small, inp.args, big, inp.args, 2 * args.chain, args.reps)
+            row[f"{which}_us"] = round(1e3 * slope_ms, 2)
         row["roofline_us"] = round(kv_bytes(case) / 2 / (copy_tb_s * 1e12) * 1e6, 2)
         row["bw_frac"] = round(row["roofline_us"] / row["ours_us"], 3) if row["ours_us"] > 0 else None
         if "max_us" in row and row["ours_us"] > 0:
@@ -287,13 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         del inp, ref
         torch.cuda.empty_cache()
 
-    cmd = "python3 bench/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {
-        "device": gpu_name,
-        "date": today.isoformat(),
-        "command": cmd.strip(),
-        "max_version": version_of("max"),
-        "copy_tb_s": round(copy_tb_s, 3),
+        **result_header("bench/attention.py", argv, gpu, copy_tb_s),
         "shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
                   "window": WINDOW, "kv_dtype": "bfloat16"},  # fmt: skip
         "method": "per layer, averaged over a (window 128, full) pair: slope of CUDA-event time of a graph of 1 vs "

@@ -138,11 +138,13 @@ def distinct_experts(ids) -> int:
 # ---------------------------------------------------------------- MAX graphs
 
 
-def build_ours(layers: int, n_sets: int, device_ref):
+def build_ours(layers: int, n_sets: int, device_ref, path_input: bool = False):
     """x -> layers chained MoE layers; layer i reads expert set i % n_sets and
-    its own routing. Symbolic T and E: one compile serves every shape."""
+    its own routing. Symbolic T and E: one compile serves every shape. With
+    `path_input`, the first input is a CPU int32 scalar: the op's GPU kernel
+    path (ops.PATH_*), so one compile also serves every path and tile config."""
     from max.dtype import DType
-    from max.graph import Graph, TensorType
+    from max.graph import DeviceRef, Graph, TensorType
 
     from gptoss_max.kernels import ops as moe_ops
 
@@ -154,21 +156,23 @@ def build_ours(layers: int, n_sets: int, device_ref):
         t(DType.uint8, [e, 2 * i, h // 2]), t(DType.uint8, [e, 2 * i, h // 32]), t(DType.float32, [e, 2 * i]),
         t(DType.uint8, [e, h, i // 2]), t(DType.uint8, [e, h, i // 32]), t(DType.float32, [e, h]),
     ]  # fmt: skip
-    types = [t(DType.bfloat16, ["T", h])]
+    types = [TensorType(DType.int32, [], DeviceRef.CPU())] if path_input else []
+    types += [t(DType.bfloat16, ["T", h])]
     for _ in range(layers):
         types += [t(DType.int32, ["T", TOP_K]), t(DType.float32, ["T", TOP_K])]
     types += set_types * n_sets
 
     def forward(*args):
-        x = args[0]
-        routes = args[1 : 1 + 2 * layers]
-        sets = args[1 + 2 * layers :]
+        path = args[0] if path_input else moe_ops.PATH_AUTO
+        x, *rest = args[1:] if path_input else args
+        routes, sets = rest[: 2 * layers], rest[2 * layers :]
         for layer in range(layers):
             s = sets[6 * (layer % n_sets) : 6 * (layer % n_sets) + 6]
-            x = moe_ops.moe_mxfp4(x, routes[2 * layer], routes[2 * layer + 1], *s)
+            x = moe_ops.moe_mxfp4(x, routes[2 * layer], routes[2 * layer + 1], *s, path=path)
         return x
 
-    return Graph(f"moe_ours_{layers}x{n_sets}", forward=forward, input_types=types)
+    name = "moe_prefill" if path_input else "moe_ours"
+    return Graph(f"{name}_{layers}x{n_sets}", forward=forward, input_types=types)
 
 
 def build_stock_dequant(device_ref):
@@ -222,6 +226,15 @@ class Timer:
             out.append(a.elapsed_time(b))
         return out
 
+    def slope_ms(self, small, args_small, big, args_big, layers: int, reps: int, warmup: int = 3):
+        """(ms per extra layer, times of the big graph): the median time of `big` minus that
+        of `small` over the `layers` more it chains, the two interleaved so drifts hit both."""
+        ts, tb = [], []
+        for _ in range(3):
+            ts += self.time_ms(small, args_small, reps=reps, warmup=warmup)
+            tb += self.time_ms(big, args_big, reps=reps, warmup=warmup)
+        return (statistics.median(tb) - statistics.median(ts)) / layers, tb
+
 
 def copy_bandwidth(torch, gib: float = 2.0, reps: int = 20) -> float:
     """TB/s of a device-to-device copy, counting bytes read and written."""
@@ -246,6 +259,37 @@ def copy_bandwidth(torch, gib: float = 2.0, reps: int = 20) -> float:
 # ---------------------------------------------------------------- main
 
 
+@dataclass
+class GpuRun:
+    """What every GPU benchmark here opens first: the device, a MAX session on
+    it, its graph device ref, a timer, and the name and date results carry."""
+
+    dev: object
+    session: object
+    dref: object
+    timer: Timer
+    gpu_name: str
+    today: datetime.date
+
+
+def result_header(script: str, argv: list[str] | None, gpu: GpuRun, copy_tb_s: float) -> dict:
+    """The fields every result file here starts with."""
+    cmd = f"python3 {script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return {"device": gpu.gpu_name, "date": gpu.today.isoformat(), "command": cmd.strip(),
+            "max_version": version_of("max"), "copy_tb_s": round(copy_tb_s, 3)}  # fmt: skip
+
+
+def open_gpu(torch) -> GpuRun:
+    from max.driver import Accelerator
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef
+
+    dev = Accelerator()
+    return GpuRun(dev, InferenceSession(devices=[dev]), DeviceRef.from_device(dev), Timer(dev),
+                  torch.cuda.get_device_name(), datetime.date.today())  # fmt: skip
+
+
+
 def main(argv: list[str] | None = None) -> int:
     if "--prefill" in (sys.argv[1:] if argv is None else argv):
         from moe_prefill import main as prefill_main  # issue 5: bench/moe_prefill.py
@@ -264,22 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from max.driver import Accelerator, Buffer
+    from max.driver import Buffer
     from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef
 
     if not torch.cuda.is_available():
         print("bench/moe.py needs a CUDA GPU", file=sys.stderr)
         return 2
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     token_counts = [int(t) for t in args.tokens.split(",")]
-    gpu_name = torch.cuda.get_device_name()
-    today = datetime.date.today()
-    dev = Accelerator()
-    session = InferenceSession(devices=[dev])
-    dref = DeviceRef.from_device(dev)
-    timer = Timer(dev)
+    gpu = open_gpu(torch)
+    gpu_name, today, session, dref, timer = gpu.gpu_name, gpu.today, gpu.session, gpu.dref, gpu.timer
 
     def buf(t):
         return Buffer.from_dlpack(t.contiguous())
@@ -337,11 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             rbufs = [buf(r) for rw in routes for r in rw]
             a_small = [buf(x), *rbufs[: 2 * small], *set_bufs]
             a_big = [buf(x), *rbufs, *set_bufs]
-            ts, tb = [], []
-            for _ in range(3):  # interleave so drifts hit both
-                ts += timer.time_ms(g_small, a_small, reps=args.reps)
-                tb += timer.time_ms(g_big, a_big, reps=args.reps)
-            ours_us = 1e3 * (statistics.median(tb) - statistics.median(ts)) / args.chain
+            slope_ms, tb = timer.slope_ms(g_small, a_small, g_big, a_big, args.chain, args.reps)
+            ours_us = 1e3 * slope_ms
             spread_us = 1e3 * (statistics.quantiles(tb, n=4)[2] - statistics.quantiles(tb, n=4)[0]) / args.chain
             extra = routes[small:]
             mean_bytes = statistics.mean(distinct_experts(r[0]) for r in extra) * expert_bytes()
@@ -365,13 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         del sets, set_bufs
         torch.cuda.empty_cache()
 
-    cmd = "python3 bench/moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {
-        "device": gpu_name,
-        "date": today.isoformat(),
-        "command": cmd.strip(),
-        "max_version": version_of("max"),
-        "copy_tb_s": round(copy_tb_s, 3),
+        **result_header("bench/moe.py", argv, gpu, copy_tb_s),
         "method": "ours_us: slope of CUDA-event time of a graph of 1 vs 1+chain chained MoE layers; "
         "max_stock_us: mxfp4_dequant of gate_up + down stacks only (MAX 26.7's grouped_matmul_ragged "
         "does not compile on SM90), a lower bound on the stock step; roofline: distinct routed experts' "

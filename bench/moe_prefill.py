@@ -33,7 +33,6 @@ correctness failure (after writing everything).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -102,35 +101,10 @@ def _r(v: float | None) -> float | None:
 
 
 def build_ours(layers: int, n_sets: int, device_ref):
-    """x -> `layers` chained MoE layers (layer i: expert set i % n_sets, own
-    routing); the kernel path is a CPU int32 scalar input, so one compile
-    serves every path, tile config and T."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
-
-    from gptoss_max.kernels import ops as moe_ops
-
-    def t(dt, shape):
-        return TensorType(dt, shape, device_ref)
-
-    e, h, i = "E", HIDDEN, INTER
-    set_types = [
-        t(DType.uint8, [e, 2 * i, h // 2]), t(DType.uint8, [e, 2 * i, h // 32]), t(DType.float32, [e, 2 * i]),
-        t(DType.uint8, [e, h, i // 2]), t(DType.uint8, [e, h, i // 32]), t(DType.float32, [e, h]),
-    ]  # fmt: skip
-    types = [TensorType(DType.int32, [], DeviceRef.CPU()), t(DType.bfloat16, ["T", h])]
-    for _ in range(layers):
-        types += [t(DType.int32, ["T", TOP_K]), t(DType.float32, ["T", TOP_K])]
-    types += set_types * n_sets
-
-    def forward(path, x, *args):
-        routes, sets = args[: 2 * layers], args[2 * layers :]
-        for layer in range(layers):
-            s = sets[6 * (layer % n_sets) : 6 * (layer % n_sets) + 6]
-            x = moe_ops.moe_mxfp4(x, routes[2 * layer], routes[2 * layer + 1], *s, path=path)
-        return x
-
-    return Graph(f"moe_prefill_{layers}x{n_sets}", forward=forward, input_types=types)
+    """bench/moe.py's chained-layer graph with the kernel path as its first
+    input (a CPU int32 scalar), so one compile serves every path, tile config
+    and T."""
+    return dec.build_ours(layers, n_sets, device_ref, path_input=True)
 
 
 def build_stock(experts: int, device_ref):
@@ -222,11 +196,7 @@ class Ours:
         pb = self.path_buf(path)
         a_small = [pb, self.buf(x), *rb[:2], *set_bufs]
         a_big = [pb, self.buf(x), *rb, *set_bufs]
-        ts, tb = [], []
-        for _ in range(3):  # interleaved so drifts hit both
-            ts += self.timer.time_ms(self.g_small, a_small, reps=reps, warmup=1)
-            tb += self.timer.time_ms(self.g_big, a_big, reps=reps, warmup=1)
-        return (statistics.median(tb) - statistics.median(ts)) / self.chain
+        return self.timer.slope_ms(self.g_small, a_small, self.g_big, a_big, self.chain, reps, warmup=1)[0]
 
 
 # ---------------------------------------------------------------- main
@@ -262,20 +232,15 @@ class Run:
 
     def __init__(self, args, argv):
         import torch
-        from max.driver import Accelerator, Buffer
-        from max.engine import InferenceSession
-        from max.graph import DeviceRef
+        from max.driver import Buffer
 
         self.args, self.torch, self.Buffer = args, torch, Buffer
         self.start = time.perf_counter()
-        gpu_name = torch.cuda.get_device_name()
-        today = datetime.date.today()
+        gpu = dec.open_gpu(torch)
+        gpu_name, today = gpu.gpu_name, gpu.today
         self.path = Path(args.out) / f"moe_prefill_{dec.gpu_tag(gpu_name)}_{today.strftime('%Y%m%d')}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        dev = Accelerator()
-        self.session = InferenceSession(devices=[dev])
-        self.dref = DeviceRef.from_device(dev)
-        self.timer = dec.Timer(dev)
+        self.session, self.dref, self.timer = gpu.session, gpu.dref, gpu.timer
         self.gen = torch.Generator(device="cuda").manual_seed(args.seed)
         given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--prefill"]
         cmd = "python3 bench/moe.py --prefill " + " ".join(given)
