@@ -155,44 +155,66 @@ def synthetic_reference(model: Any, device: str = "cpu", threads: int | None = N
     return ref.eval()
 
 
-def reference_forward(ref: Any, ids: list[int], dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
-    """Logits `[len(ids), V]` of a bf16 reference run in `dtype` (float32: decoder layers upcast
-    one at a time, embeddings, norm and LM head for good), and the router's top-k expert ids
-    `[layers, len(ids), k]`."""
+def reference_forward(
+    ref: Any, ids: list[int], dtype: str = "float32", router_logits: bool = False
+) -> tuple[np.ndarray, ...]:
+    """Logits `[len(ids), V]` of a bf16 reference run in `dtype` (float32 / float64: decoder layers
+    upcast one at a time, embeddings, norm and LM head for the run; float64 runs transformers'
+    eager experts, its grouped matmul has no float64), and the router's top-k expert ids
+    `[layers, len(ids), k]`; with `router_logits`, also the router's logits `[layers, len(ids), E]`
+    (float64). Logits come back float64 from a float64 run, float32 otherwise."""
     import torch
 
     device = next(ref.parameters()).device
     routed: list[Any] = []
+    scores: list[Any] = []
     hooks = []
-    if dtype == "float32":
+    outer = (ref.model.embed_tokens, ref.model.norm, ref.lm_head)
+    impl = getattr(ref.config, "_experts_implementation", None)
+    if dtype in ("float32", "float64"):
+        wide = getattr(torch, dtype)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
-        for module in (ref.model.embed_tokens, ref.model.norm, ref.lm_head):
-            module.float()
+        for module in outer:
+            module.to(wide)
+        if dtype == "float64":
+            ref.config._experts_implementation = "eager"
         for layer in ref.model.layers:
             saved: dict[str, Any] = {}
 
-            def upcast(mod: Any, _args: Any, saved: dict[str, Any] = saved) -> None:
+            def upcast(mod: Any, _args: Any, saved: dict[str, Any] = saved, wide: Any = wide) -> None:
                 for name, p in mod.named_parameters():
                     saved[name] = p.data
-                    p.data = p.data.float()
+                    p.data = p.data.to(wide)
 
             def restore(mod: Any, _args: Any, _out: Any, saved: dict[str, Any] = saved) -> None:
                 for name, p in mod.named_parameters():
                     p.data = saved.pop(name)
 
             hooks += [layer.register_forward_pre_hook(upcast), layer.register_forward_hook(restore)]
+    elif dtype != "bfloat16":
+        raise ValueError(f"dtype must be float64, float32 or bfloat16, not {dtype!r}")
+
+    def record(_m: Any, _a: Any, out: Any) -> None:
+        routed.append(out[2].cpu())
+        if router_logits:
+            scores.append(out[0].detach().to(torch.float64).cpu())
+
     for layer in ref.model.layers:
-        hooks.append(layer.mlp.router.register_forward_hook(lambda _m, _a, out: routed.append(out[2].cpu())))
+        hooks.append(layer.mlp.router.register_forward_hook(record))
     try:
         with torch.no_grad():
             logits = ref(torch.tensor([ids], device=device)).logits[0]
     finally:
         for h in hooks:
             h.remove()
-        for module in (ref.model.embed_tokens, ref.model.norm, ref.lm_head):
+        if impl is not None:
+            ref.config._experts_implementation = impl
+        for module in outer:
             module.to(torch.bfloat16)  # exact: their values came from bf16
-    return logits.float().cpu().numpy(), torch.stack(routed).numpy()
+    out_dtype = torch.float64 if dtype == "float64" else torch.float32
+    result = (logits.to(out_dtype).cpu().numpy(), torch.stack(routed).numpy())
+    return (*result, torch.stack(scores).numpy()) if router_logits else result
 
 
 def routing_balance(expert_ids: np.ndarray, experts: int) -> dict[str, float]:
@@ -206,3 +228,40 @@ def routing_balance(expert_ids: np.ndarray, experts: int) -> dict[str, float]:
         peak.append(float(load.max() / load.mean()))
         entropy.append(float(-(p[p > 0] * np.log(p[p > 0])).sum() / np.log(experts)))
     return {"experts_used_min": min(used), "max_over_mean_load_max": max(peak), "entropy_min": min(entropy)}
+
+
+def route_changes(expert_ids: np.ndarray, base_ids: np.ndarray) -> np.ndarray:
+    """Per layer, the fraction of tokens whose top-k expert set differs from `base_ids`'s
+    (both `[layers, tokens, k]`): how many routing decisions a precision change flips."""
+    a, b = np.sort(expert_ids, axis=-1), np.sort(base_ids, axis=-1)
+    return (a != b).any(axis=-1).mean(axis=-1)
+
+
+def topk_gaps(router_logits: np.ndarray, k: int) -> np.ndarray:
+    """`[layers, tokens]`: the k-th minus the (k+1)-th largest router logit, the margin a
+    perturbation of the router logits must cross to change a token's expert set."""
+    top = np.sort(router_logits, axis=-1)[..., -(k + 1) :]
+    return top[..., 1] - top[..., 0]
+
+
+def precision_sensitivity(ref: Any, ids: list[int], dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
+    """The same reference run in float64 and in each of `dtypes`, compared with float64: logit
+    agreement (`compare`), per-layer fraction of tokens whose top-k experts change, and median
+    |router logit error| per layer; plus the float64 run's top-k gaps (k-th vs (k+1)-th logit)."""
+    k = ref.config.num_experts_per_tok
+    base, base_ids, base_rl = reference_forward(ref, ids, "float64", router_logits=True)
+    gaps = topk_gaps(base_rl, k)
+    out: dict[str, Any] = {
+        "router_logit_std": float(base_rl.std()),
+        "gap_median": float(np.median(gaps)),
+        "gap_below_0.01": float((gaps < 0.01).mean()),
+        "rows": {},
+    }
+    for dtype in dtypes:
+        logits, expert_ids, rl = reference_forward(ref, ids, dtype, router_logits=True)
+        out["rows"][dtype] = {
+            **compare(logits, base).as_dict(),
+            "route_changes": route_changes(expert_ids, base_ids).tolist(),
+            "router_err_median": np.median(np.abs(rl - base_rl), axis=(1, 2)).tolist(),
+        }
+    return out

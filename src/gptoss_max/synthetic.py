@@ -12,8 +12,15 @@ is deterministic by seed whatever the thread order, and can stream chunk by chun
   the joint statistics of `mxfp4.encode` over N(0, std) weights, so dequantized experts have
   the magnitude and the per-block scale spread of quantized trained weights;
 - stds scale with 1/sqrt(fan-in), so any width sees the same activations: q/k give attention
-  logits of several units, sinks are N(3, 2), and router logits N(0, 1.7) (+ bias N(0, 0.2))
-  spread tokens over all experts, as a trained router with a balance loss does.
+  logits of std ~1.4, sinks are N(3, 2), and router logits N(0, 1.7) (+ bias N(0, 0.2))
+  spread tokens over all experts, as a trained router with a balance loss does;
+- conditioned like a trained model, not chaotic: embeddings N(0, 3) make the residual stream
+  large next to each layer's update, and attention logits stay ~1.4 units. Generator 2 (q/k std
+  2.3 / sqrt(h), attention logits ~5 units; embeddings N(0, 1)) amplified any perturbation ~1.4x
+  per layer and its bf16 routing flips cascaded: transformers' own bf16 run agreed with its
+  float64 run to cos 0.37 at 24 layers (float32: cos min 0.978), so no fidelity check at full
+  depth could tell a bug from rounding. Measurements: docs/GPU.md (issue 9) and
+  scripts/synthetic_precision.py.
 
 Three ways out: in memory (`generate_arrays`, what the architecture loads instead of reading
 files), an HF checkpoint (`write_checkpoint`: safetensors shards + index, streamed, bounded
@@ -48,9 +55,12 @@ from gptoss_max.config import PRESETS, ModelSpec
 
 PREFIX = "synthetic:"
 MARKER = "gptoss_max_synthetic"  # config.json key naming the synthetic model a directory stands for
-GENERATOR = 2  # bump whenever a tensor's values change for the same seed
+GENERATOR = 3  # bump whenever a tensor's values change for the same seed
 CHUNK = 1 << 20  # units (elements; blocks of 32 for MXFP4) per chunk: part of the generator's definition
 SHARD_BYTES = 5 * 10**9
+# Conditioning (generator 3; generator 2 had 2.3 and 1.0, and was chaotic at depth: see above)
+QK_STD = 1.2  # q/k weight std x sqrt(hidden): attention logits q.k/8 of std ~QK_STD^2
+EMBED_STD = 3.0  # embeddings: a residual stream large next to each layer's update
 
 GENERATION_CONFIG = {
     "bos_token_id": 199998,
@@ -84,11 +94,11 @@ def distribution(name: str, spec: ModelSpec) -> Dist:
     expert_std = {"gate_up_proj": 1.1 * fan_h, "down_proj": 1.1 * fan_i}
     leaf = name.rsplit(".", 1)[-1]
     table: dict[str, tuple[float, float]] = {
-        "embed_tokens.weight": (0.0, 1.0),
+        "embed_tokens.weight": (0.0, EMBED_STD),
         "lm_head.weight": (0.0, 3.4 * fan_h),
         "norm.weight": (1.0, 0.1),  # model.norm and both layer norms
-        "q_proj.weight": (0.0, 2.3 * fan_h),
-        "k_proj.weight": (0.0, 2.3 * fan_h),
+        "q_proj.weight": (0.0, QK_STD * fan_h),
+        "k_proj.weight": (0.0, QK_STD * fan_h),
         "v_proj.weight": (0.0, 1.1 * fan_h),
         "q_proj.bias": (0.0, 0.1),
         "k_proj.bias": (0.0, 0.1),
