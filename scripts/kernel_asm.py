@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""PTX, registers and SASS of our Mojo GPU kernels, without a GPU.
+
+Builds the kernel package (src/gptoss_max/kernels) as a `.mojoc`, compiles a small Mojo
+program that prints `_compile_code[kernel, target=sm_90a]` for each kernel asked for, and
+writes one `.ptx` per kernel. With `--ptxas` (from the `nvidia-cuda-nvcc-cu12` wheel) it
+also reports registers / spills / shared memory, and with `--nvdisasm` (from the `triton`
+wheel: `pip download --no-deps triton`, then unzip `triton/backends/nvidia/bin/nvdisasm`)
+writes the SASS and counts its instructions by opcode.
+
+    python3 scripts/kernel_asm.py --out asm --ptxas PATH/ptxas --nvdisasm PATH/nvdisasm \\
+        'moe_gpu.gate_up_kernel[DType.bfloat16, 2]' \\
+        'attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]'
+
+Each kernel is `module.function[parameters]` as Mojo spells it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "src" / "gptoss_max" / "kernels"
+SPEC = re.compile(r"^(\w+)\.(\w+)(\[.*\])?$")
+
+
+def _mojo() -> str:
+    found = shutil.which("mojo") or str(Path(sys.executable).parent / "mojo")
+    if not Path(found).exists():
+        raise SystemExit("mojo not found: run from the project's virtualenv")
+    return found
+
+
+def program(specs: list[str]) -> str:
+    """The Mojo main that prints each kernel's PTX, separated by marker lines."""
+    imports, prints = [], []
+    for i, spec in enumerate(specs):
+        m = SPEC.match(spec.replace(" ", ""))
+        if not m:
+            raise SystemExit(f"not module.function[params]: {spec!r}")
+        module, fn, params = m.group(1), m.group(2), m.group(3) or ""
+        imports.append(f"from gptoss_kernels.{module} import {fn} as k{i}")
+        prints.append(f'    print("//== {spec}")')
+        prints.append(f'    print(_compile_code[k{i}{params}, target=get_gpu_target["sm_90a"]()]())')
+    head = ["from max.gpu.host import get_gpu_target", "from max.gpu.host.compile import _compile_code", *imports]
+    return "\n".join([*head, "", "", "def main() raises:", *prints]) + "\n"
+
+
+def build_ptx(specs: list[str], work: Path) -> dict[str, str]:
+    """kernel spec -> PTX text."""
+    mojo = _mojo()
+    pkg = work / "gptoss_kernels.mojoc"
+    subprocess.run([mojo, "precompile", str(KERNELS), "-o", str(pkg)], check=True, capture_output=True)
+    src = work / "asm_main.mojo"
+    src.write_text(program(specs))
+    exe = work / "asm_main"
+    r = subprocess.run([mojo, "build", "--target-accelerator=nvidia:90", "-I", str(work), str(src), "-o", str(exe)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        errors = [line for line in r.stderr.splitlines() if "error" in line]
+        raise SystemExit("mojo build failed:\n" + "\n".join(errors or r.stderr.splitlines()[-20:]))
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    parts = re.split(r"^//== (.*)$", out, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def opcode_counts(sass: str) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            counts[m.group(1).split(".")[0]] += 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", nargs="+",
+                    help="module.function[params], e.g. 'moe_gpu.gate_up_kernel[DType.bfloat16, 2]'")  # fmt: skip
+    ap.add_argument("--out", type=Path, required=True, help="directory for the .ptx (and .cubin, .sass) files")
+    ap.add_argument("--ptxas", help="ptxas binary: registers, spills and shared memory per kernel")
+    ap.add_argument("--nvdisasm", help="nvdisasm binary (needs --ptxas): SASS and its opcode counts")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = build_ptx(args.kernels, Path(tmp))
+    for i, (spec, text) in enumerate(ptx.items()):
+        stem = args.out / f"k{i}_{re.sub(r'[^A-Za-z0-9]+', '_', spec).strip('_')}"
+        stem.with_suffix(".ptx").write_text(text)
+        print(f"{spec}: {stem.with_suffix('.ptx')}")
+        if not args.ptxas:
+            continue
+        r = subprocess.run([args.ptxas, "-arch=sm_90a", "-v", str(stem.with_suffix(".ptx")), "-o",
+                            str(stem.with_suffix(".cubin"))], capture_output=True, text=True)  # fmt: skip
+        for line in r.stderr.splitlines():
+            if "registers" in line or "spill" in line or "error" in line:
+                print("   ", line.strip())
+        if args.nvdisasm and r.returncode == 0:
+            sass = subprocess.run([args.nvdisasm, "-c", str(stem.with_suffix(".cubin"))], capture_output=True,
+                                  text=True).stdout  # fmt: skip
+            stem.with_suffix(".sass").write_text(sass)
+            top = ", ".join(f"{op} {n}" for op, n in opcode_counts(sass).most_common(12))
+            print(f"    SASS {sum(opcode_counts(sass).values())} instructions: {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
