@@ -3,27 +3,19 @@ package's NumPy one (two independent implementations of sink attention)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from gptoss_max.kernels import reference
+from script_loader import load_script
 
 torch = pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "attention.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/attention.py", "bench_attention")
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -4,32 +4,20 @@ independent implementations), and the byte count the roofline uses."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from gptoss_max import mxfp4
 from gptoss_max.kernels import reference
+from script_loader import load_script
 
 torch = pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_moe"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load()
+    return load_script("bench/moe.py", "bench_moe")
 
 
 def test_decode_matches_package_decoder_on_every_code_and_scale(bench):

@@ -4,11 +4,12 @@ and that its graphs (path as a runtime scalar) and MAX's stock MoE build."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from script_loader import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -16,11 +17,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.fixture(scope="module")
 def bench():
     sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_moe_prefill", BENCH / "moe_prefill.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_moe_prefill"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/moe_prefill.py", "bench_moe_prefill")
 
 
 def test_flops_are_the_two_gemms(bench):

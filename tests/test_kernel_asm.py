@@ -3,22 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kernel_asm.py"
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def asm():
-    spec = importlib.util.spec_from_file_location("kernel_asm", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_asm"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/kernel_asm.py", "kernel_asm")
 
 
 def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):

@@ -21,6 +21,7 @@ from gptoss_max.synthetic import (
     tensor_plans,
     write_checkpoint,
 )
+from script_loader import load_script
 
 TINY = SyntheticModel("tiny", seed=3)
 
@@ -146,15 +147,7 @@ def test_tokens_spread_over_experts_like_a_trained_router():
 
 
 def _precision_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "synthetic_precision.py"
-    spec = importlib.util.spec_from_file_location("gptoss_synthetic_precision", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/synthetic_precision.py", "gptoss_synthetic_precision")
 
 
 def test_synthetic_model_is_not_chaotic_at_depth():
