@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PTX, registers and SASS of our Mojo GPU kernels, without a GPU.
 
-Builds the kernel package (src/gptoss_max/kernels) as a `.mojoc`, compiles a small Mojo
+Takes the kernel package (src/gptoss_max/kernels) as graphs load it, compiles a small Mojo
 program that prints `_compile_code[kernel, target=sm_90a]` for each kernel asked for, and
 writes one `.ptx` per kernel. With `--ptxas` (from the `nvidia-cuda-nvcc-cu12` wheel) it
 also reports registers / spills / shared memory, and with `--nvdisasm` (from the `triton`
@@ -20,22 +20,13 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "src" / "gptoss_max" / "kernels"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 SPEC = re.compile(r"^(\w+)\.(\w+)(\[.*\])?$")
-
-
-def _mojo() -> str:
-    found = shutil.which("mojo") or str(Path(sys.executable).parent / "mojo")
-    if not Path(found).exists():
-        raise SystemExit("mojo not found: run from the project's virtualenv")
-    return found
 
 
 def program(specs: list[str]) -> str:
@@ -54,15 +45,18 @@ def program(specs: list[str]) -> str:
 
 
 def build_ptx(specs: list[str], work: Path) -> dict[str, str]:
-    """kernel spec -> PTX text."""
-    mojo = _mojo()
-    pkg = work / "gptoss_kernels.mojoc"
-    subprocess.run([mojo, "precompile", str(KERNELS), "-o", str(pkg)], check=True, capture_output=True)
+    """kernel spec -> PTX text. The package is the one graphs load (`kernels_path()`, built once
+    per source hash); mojo runs as MAX configures it (`subprocess_run_mojo`), whatever the
+    environment MAX left in this process."""
+    from mojo.run import subprocess_run_mojo
+
+    from gptoss_max.kernels import kernels_path
+
     src = work / "asm_main.mojo"
     src.write_text(program(specs))
     exe = work / "asm_main"
-    r = subprocess.run([mojo, "build", "--target-accelerator=nvidia:90", "-I", str(work), str(src), "-o", str(exe)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess_run_mojo(["build", "--target-accelerator=nvidia:90", "-I", str(kernels_path().parent), str(src),
+                             "-o", str(exe)], capture_output=True, text=True)  # fmt: skip
     if r.returncode != 0:
         errors = [line for line in r.stderr.splitlines() if "error" in line]
         raise SystemExit("mojo build failed:\n" + "\n".join(errors or r.stderr.splitlines()[-20:]))
