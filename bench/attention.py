@@ -235,11 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from moe import copy_bandwidth, gpu_tag, open_gpu, rel_err, result_header
 
-    if not torch.cuda.is_available():
-        print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+    gpu = open_gpu(torch, "bench/attention.py")
     cases = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
-    gpu = open_gpu(torch)
     gpu_name, today, dev, session, dref, timer = gpu.gpu_name, gpu.today, gpu.dev, gpu.session, gpu.dref, gpu.timer
     copy_tb_s = copy_bandwidth(torch)
     print(f"device {gpu_name}; copy {copy_tb_s:.2f} TB/s (read + write)", flush=True)

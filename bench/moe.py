@@ -279,7 +279,11 @@ def result_header(script: str, argv: list[str] | None, gpu: GpuRun, copy_tb_s: f
             "max_version": version_of("max"), "copy_tb_s": round(copy_tb_s, 3)}  # fmt: skip
 
 
-def open_gpu(torch) -> GpuRun:
+def open_gpu(torch, script: str) -> GpuRun:
+    """Exits (status 2) with a clear message without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        raise SystemExit(2)
     from max.driver import Accelerator
     from max.engine import InferenceSession
     from max.graph import DeviceRef
@@ -311,12 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     from max.driver import Buffer
     from max.dtype import DType
 
-    if not torch.cuda.is_available():
-        print("bench/moe.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+    gpu = open_gpu(torch, "bench/moe.py")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     token_counts = [int(t) for t in args.tokens.split(",")]
-    gpu = open_gpu(torch)
     gpu_name, today, session, dref, timer = gpu.gpu_name, gpu.today, gpu.session, gpu.dref, gpu.timer
 
     def buf(t):

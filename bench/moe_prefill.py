@@ -236,7 +236,7 @@ class Run:
 
         self.args, self.torch, self.Buffer = args, torch, Buffer
         self.start = time.perf_counter()
-        gpu = dec.open_gpu(torch)
+        gpu = dec.open_gpu(torch, "bench/moe.py --prefill")
         gpu_name, today = gpu.gpu_name, gpu.today
         self.path = Path(args.out) / f"moe_prefill_{dec.gpu_tag(gpu_name)}_{today.strftime('%Y%m%d')}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
