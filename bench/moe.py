@@ -439,11 +439,10 @@ def print_table(result: dict) -> None:
 
 
 def gpu_tag(gpu_name: str) -> str:
-    """Short name of a GPU for result file names: h100, h200, else its last word."""
-    for tag in ("H100", "H200"):
-        if tag in gpu_name:
-            return tag.lower()
-    return gpu_name.split()[-1].lower()
+    """Short name of a GPU for result file names: the one the e2e bench uses (h100, h200, ...)."""
+    from gptoss_max.e2e import device_slug
+
+    return device_slug(gpu_name)
 
 
 def version_of(name: str) -> str | None:
