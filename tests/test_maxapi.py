@@ -154,3 +154,13 @@ def test_graph_capture_buffers_follow_the_model_call():
     assert len(seen) == 7 and all(x is y for x, y in zip(seen, inputs.buffers, strict=True))
     # tokens, return_n_logits, row offsets, signal buffers, KV leaves
     assert [int(x.to_numpy()[0]) for x in inputs.buffers] == [0, 4, 1, 2, 3, 5, 6]
+
+
+def test_memory_estimator_reads_the_device_free_figure():
+    """memory.plan and maxapi.plan_with_free_memory rely on MAX planning the KV cache from
+    `Device.stats["free_memory"]` of devices from the module-level `load_devices`."""
+    est = maxapi.max_memory_estimation
+    assert callable(est.load_devices) and callable(est.MemoryEstimator.plan)
+    assert 'stats["free_memory"]' in inspect.getsource(est.MemoryEstimator._free_memory)
+    assert "device_memory_utilization" in inspect.getsource(est.MemoryEstimator.plan_from_sizes)
+    assert maxapi.MEMORY_MANAGER_SIZE_ENV == "MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT"

@@ -13,19 +13,72 @@ from gptoss_max.config import PRESETS
 from gptoss_max.synthetic import SyntheticModel
 
 H100_FREE = int(79.0 * 2**30)
+# What MAX's planner read on the H100 of 2026-11-21 (both 120b plans reproduce from it, below),
+# and CUDA's free memory it is 0.9 of.
+H100_MAX_FREE = 76_772_540_416
+H100_CUDA_FREE = int(85.30 * 1e9)
 
 
-def test_120b_fits_one_80gb_h100_with_batch_64():
-    plan = memory.plan(PRESETS["120b"], True, device_free=H100_FREE, batch=64, max_length=1024 + 256 + 16)
+def test_120b_on_one_80gb_h100():
+    plan = memory.plan(PRESETS["120b"], True, device_free=H100_CUDA_FREE, batch=64, max_length=1024 + 256 + 16)
     assert 65.0e9 < plan.weights_total < 65.6e9  # MXFP4 experts 60.9 GB + bf16 rest
     assert plan.weights["experts"] > 0.9 * plan.weights_total
     assert plan.kv_per_token == 36 * 2 * 8 * 64 * 2  # K and V of every layer, bf16
-    assert plan.fits and plan.kv_budget > 8e9
+    # MAX sees its pool (0.9 of the free memory) and takes 0.9 of that: ~1.3 GB of KV, as on the H100.
+    assert plan.pool_share == 0.9 and abs(plan.max_free - H100_MAX_FREE) < 0.01e9
+    assert 1.2e9 < plan.kv_budget < 1.45e9 and not plan.fits
+    assert 0.96 < plan.utilization_needed < 0.975
+    roomy = memory.plan(PRESETS["120b"], True, device_free=H100_CUDA_FREE, batch=64, max_length=1296, utilization=0.97)
+    assert roomy.fits
     assert not memory.plan(PRESETS["120b"], False, device_free=H100_FREE).fits  # bf16 experts: 230 GB
 
 
+def test_memory_manager_share_from_the_environment(monkeypatch):
+    from gptoss_max import maxapi
+
+    monkeypatch.delenv(maxapi.MEMORY_MANAGER_SIZE_ENV, raising=False)
+    assert maxapi.memory_manager_share() == 0.9
+    monkeypatch.setenv(maxapi.MEMORY_MANAGER_SIZE_ENV, "95")
+    assert maxapi.memory_manager_share() == 0.95
+    assert memory.plan(PRESETS["20b"], True, device_free=H100_FREE).pool_share == 0.95
+    monkeypatch.setenv(maxapi.MEMORY_MANAGER_SIZE_ENV, "lots")
+    assert maxapi.memory_manager_share() == 0.9
+    assert memory.plan(PRESETS["20b"], True, device_free=H100_FREE, gpu=False).pool_share == 1.0
+
+
+def test_max_estimator_reproduces_the_h100_120b_plans():
+    """MAX 26.7's own MemoryEstimator, our architecture and synthetic:120b at batch 64 x 1296,
+    on a device reporting H100_MAX_FREE: the KV budgets and footprints the H100 runs of
+    2026-11-21 logged (bench/results/e2e_h100_20261121_v1_ours_nocapture.json at 0.9,
+    e2e_h100_20261121.json at 0.96), to the byte. So nothing of ours is miscounted: weights,
+    activation reserve and signal buffers are what memory.py says, and the gap is MAX's free figure."""
+    from max.driver import DeviceSpec
+
+    from gptoss_max import maxapi
+    from gptoss_max.arch import ARCHITECTURES
+    from gptoss_max.engine import EngineOptions, pipeline_args
+
+    # A CPU config (no GPU here), then turned into the GPU one the H100 ran: bf16 on accelerator 0.
+    opts = EngineOptions(model="synthetic:120b", device="cpu", encoding="float32", max_length=1296, max_batch_size=64)
+    cpu = maxapi.PipelineConfig.from_args(pipeline_args(opts))
+    (arch,) = ARCHITECTURES
+    got = {}
+    for fraction in (0.9, 0.96):
+        kv = cpu.model.kv_cache.model_copy(update={"device_memory_utilization": fraction})
+        model = cpu.model.model_copy(
+            update={"device_specs": [DeviceSpec.accelerator(0)], "quantization_encoding": "bfloat16", "kv_cache": kv}
+        )
+        config = cpu.model_copy(update={"models": type(cpu.models)({"main": model})})
+        got[fraction] = maxapi.plan_with_free_memory(config, arch, H100_MAX_FREE)
+    assert (got[0.9].available_cache_memory, got[0.9].footprint) == (1_324_973_014, 69_095_286_374)
+    assert (got[0.96].available_cache_memory, got[0.96].footprint) == (5_926_551_552, 73_696_864_912)
+    ours = memory.plan(PRESETS["120b"], True, device_free=H100_MAX_FREE, pool_share=1.0, batch=64, max_length=1296)
+    assert got[0.9].footprint - got[0.9].available_cache_memory == ours.static
+    assert abs(ours.kv_budget - got[0.9].available_cache_memory) <= 1
+
+
 def test_20b_plan():
-    plan = memory.plan(PRESETS["20b"], True, device_free=H100_FREE, batch=64, max_length=1296)
+    plan = memory.plan(PRESETS["20b"], True, device_free=H100_CUDA_FREE, batch=64, max_length=1296)
     assert 13.5e9 < plan.weights_total < 14.0e9
     assert plan.fits and plan.as_dict()["kv_tokens_fit"] > 1_000_000
     cpu = memory.plan(PRESETS["20b"], True, device_free=H100_FREE, encoding="float32", gpu=False)

@@ -30,6 +30,7 @@ from max.pipelines.kv_cache.config import KVCacheConfig
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.kv_cache.paged_kv_cache.cache_manager_interface import PagedKVCacheManagerInterface
 from max.pipelines.lib import PipelineArgs, PipelineConfig, SupportedArchitecture
+from max.pipelines.lib import memory_estimation as max_memory_estimation
 from max.pipelines.lib.generate import GenerateIterator
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
@@ -39,6 +40,54 @@ from max.pipelines.modeling.types import RequestID, TextGenerationInputs, TextGe
 # MAX's native library setenv()s PYTHONEXECUTABLE to the `python3` on PATH, so every child
 # process (MAX's own model worker included) would start outside this virtualenv. Undo it.
 os.unsetenv("PYTHONEXECUTABLE")
+
+# MAX's device memory manager. Opening a GPU, MAX 26.7's DeviceContext sizes a memory pool at
+# MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT of the device's memory, and
+# `Device.stats["free_memory"]`, which `MemoryEstimator` plans the KV cache from, reports that
+# pool, not CUDA's free memory: the estimator's `device_memory_utilization` (0.9 by default)
+# then applies on top, so the KV budget is 0.9 x 0.9 x free - weights - activations. The default
+# share is not documented; 0.9 is inferred (docs/GPU.md, "The KV plan at 0.9"): it reproduces
+# MAX's two 120b plans on the H100 to the byte, and a capture run held ~77.5 GB whatever the model.
+MEMORY_MANAGER_SIZE_ENV = "MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT"
+MEMORY_MANAGER_DEFAULT_SHARE = 0.9
+
+
+def memory_manager_share() -> float:
+    """The share of a GPU's free memory MAX's planner sees (the env override, else the default)."""
+    raw = os.environ.get(MEMORY_MANAGER_SIZE_ENV, "").strip()
+    try:
+        share = float(raw) / 100 if raw else MEMORY_MANAGER_DEFAULT_SHARE
+    except ValueError:
+        return MEMORY_MANAGER_DEFAULT_SHARE
+    return share if 0 < share <= 1 else MEMORY_MANAGER_DEFAULT_SHARE
+
+
+def device_free_memory(device_id: int = 0) -> int:
+    """Free memory of a GPU as MAX's planner reads it (`Device.stats["free_memory"]`)."""
+    from max.driver import Accelerator
+
+    return int(Accelerator(device_id).stats["free_memory"])
+
+
+def plan_with_free_memory(pipeline_config: Any, arch: Any, free_memory: int, total_memory: int | None = None) -> Any:
+    """MAX's own `MemoryEstimator.plan` for `pipeline_config`, with its device replaced by one
+    whose stats report `free_memory`: what MAX would plan on a GPU, computed without one."""
+
+    class _PlannedDevice:
+        label = "gpu"
+        id = 0
+
+        def __init__(self) -> None:
+            total = total_memory or free_memory
+            self.stats = {"free_memory": free_memory, "total_memory": total}
+            self.max_single_alloc_size = total
+
+    real = max_memory_estimation.load_devices
+    max_memory_estimation.load_devices = lambda specs: [_PlannedDevice() for _ in specs]
+    try:
+        return max_memory_estimation.MemoryEstimator.plan(pipeline_config, arch)
+    finally:
+        max_memory_estimation.load_devices = real
 
 
 
@@ -72,7 +121,13 @@ def model_abi_buffers(inputs: Any) -> tuple[Any, ...]:
 
 
 __all__ = [
+    "MEMORY_MANAGER_DEFAULT_SHARE",
+    "MEMORY_MANAGER_SIZE_ENV",
+    "device_free_memory",
     "kv_occupancy",
+    "max_memory_estimation",
+    "memory_manager_share",
+    "plan_with_free_memory",
     "PIPELINE_REGISTRY",
     "GenerateIterator",
     "KVCacheConfig",

@@ -92,24 +92,41 @@ def roofline_tok_s(
 @dataclass(frozen=True)
 class Plan:
     """MAX 26.7's rule (MemoryEstimator.plan_from_sizes): KV gets `free * utilization` minus
-    weights, activation reserve and signal buffers."""
+    weights, activation reserve and signal buffers, where `free` is what MAX's device reports:
+    on a GPU its memory manager's pool, `pool_share` (0.9) of the device's free memory
+    (maxapi.memory_manager_share), so the default utilization 0.9 leaves 0.81 of the device."""
 
     weights: dict[str, int]
     activations: int
     signal_buffers: int
-    device_free: int
+    device_free: int  # as CUDA reports it (nvidia-smi), before MAX opens the device
     utilization: float
     kv_per_token: int
     batch: int
     max_length: int
+    pool_share: float = 1.0  # the share of device_free MAX's planner sees (1.0 on a CPU)
 
     @property
     def weights_total(self) -> int:
         return sum(self.weights.values())
 
     @property
+    def static(self) -> int:
+        return self.weights_total + self.activations + self.signal_buffers
+
+    @property
+    def max_free(self) -> int:
+        """The free memory MAX's planner reads (`Device.stats["free_memory"]`)."""
+        return int(self.device_free * self.pool_share)
+
+    @property
     def kv_budget(self) -> int:
-        return int(self.device_free * self.utilization) - self.weights_total - self.activations - self.signal_buffers
+        return int(self.max_free * self.utilization) - self.static
+
+    @property
+    def utilization_needed(self) -> float:
+        """The smallest `--kv-memory-fraction` whose budget holds `kv_needed`."""
+        return (self.static + self.kv_needed) / self.max_free
 
     @property
     def kv_needed(self) -> int:
@@ -127,7 +144,10 @@ class Plan:
             "activation_reserve_bytes": self.activations,
             "signal_buffer_bytes": self.signal_buffers,
             "device_free_bytes": self.device_free,
+            "memory_manager_share": self.pool_share,
+            "max_free_bytes": self.max_free,
             "kv_memory_utilization": self.utilization,
+            "kv_memory_utilization_needed": round(self.utilization_needed, 4),
             "kv_budget_bytes": self.kv_budget,
             "kv_bytes_per_token": self.kv_per_token,
             "kv_tokens_fit": max(0, self.kv_budget) // self.kv_per_token,
@@ -139,17 +159,21 @@ class Plan:
 
     def lines(self) -> list[str]:
         g = 1e9
+        pool = f" (MAX's pool: {self.pool_share:.2f} x {self.device_free / g:.2f} GB free)"
+        pool = pool if self.pool_share != 1 else ""
         out = [f"weights            {self.weights_total / g:8.2f} GB"]
         out += [f"  {k:16s} {b / g:8.2f} GB" for k, b in self.weights.items()]
         out += [
             f"activation reserve {self.activations / g:8.2f} GB",
             f"signal buffers     {self.signal_buffers / g:8.2f} GB",
             f"KV budget          {self.kv_budget / g:8.2f} GB"
-            f"  = {self.utilization:.2f} x {self.device_free / g:.2f} GB free - the above",
+            f"  = {self.utilization:.2f} x {self.max_free / g:.2f} GB - the above{pool}",
             f"KV per token       {self.kv_per_token / 1024:8.1f} KiB"
             f" -> {max(0, self.kv_budget) // self.kv_per_token:,} tokens fit",
             f"KV for batch {self.batch} x {self.max_length} tokens: {self.kv_needed / g:.2f} GB -> "
-            + ("fits" if self.fits else "DOES NOT FIT"),
+            + ("fits" if self.fits else "DOES NOT FIT")
+            + f" (needs --kv-memory-fraction >= {self.utilization_needed:.3f}; every layer at full length:"
+            " MAX's Jenga cache keeps only the window of a sliding layer, so it may need less)",
         ]
         return out
 
@@ -170,9 +194,18 @@ def plan(
     batch: int = 1,
     max_length: int = 4096,
     gpu: bool = True,
+    pool_share: float | None = None,
 ) -> Plan:
+    """`device_free`: free memory as CUDA reports it (a GPU) or the host's memory (a CPU).
+    `pool_share`: the share MAX's planner sees, by default maxapi.memory_manager_share() on a
+    GPU and 1.0 on a CPU."""
+    from gptoss_max import maxapi
+
     d = dtype_bytes(encoding)
+    if pool_share is None:
+        pool_share = maxapi.memory_manager_share() if gpu else 1.0
     return Plan(
+        pool_share=pool_share,
         weights=weight_bytes(spec, mxfp4_experts, d),
         activations=ACTIVATION_RESERVE["gpu" if gpu else "cpu"],
         signal_buffers=signal_buffer_bytes(),
