@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
@@ -37,6 +38,8 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,9 @@ ROW_FIELDS = (
     "graph_capture",
 )
 STOCK_ENCODINGS = {"mxfp4": "float4_e2m1fnx2", "bf16": "bfloat16"}
-DEFAULT_GPU_FREE_GIB = 79.0  # what an idle 80 GB H100 reports free
+# CUDA's free memory on an idle 80 GB H100 as MAX found it on 2026-11-21: MAX's planner saw
+# 0.9 of it, 76.77 GB (maxapi.memory_manager_share; docs/GPU.md, "The KV plan at 0.9").
+DEFAULT_GPU_FREE_GIB = 79.44
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,11 +197,19 @@ def waves(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def run_batch(engine: Any, batch_prompts: list[list[int]], output_len: int, budget: int) -> dict[str, Any]:
+def run_batch(
+    engine: Any,
+    batch_prompts: list[list[int]],
+    output_len: int,
+    budget: int,
+    step_hook: Callable[[str, int], AbstractContextManager[Any]] | None = None,
+) -> dict[str, Any]:
     """Prefill in waves, then decode every row together; times of each row's first and last token.
 
     Drives the pipeline one `execute` at a time as MAX's GenerateIterator.step does, which cannot
-    split a batch's prefill."""
+    split a batch's prefill. `step_hook(phase, index)`, if given, wraps each step (phase
+    "prefill" for the waves, "decode" after; index counts within the phase): scripts/step_profile.py
+    profiles chosen steps through it."""
     from gptoss_max import maxapi
 
     pipeline = engine.pipeline
@@ -220,12 +233,17 @@ def run_batch(engine: Any, batch_prompts: list[list[int]], output_len: int, budg
             kv.release(c)
         pipeline.release(c.request_id)
 
-    def step(rows: list[int]) -> None:
-        batch = []
-        for row in rows:
-            kv.alloc(live[row]).synchronize()
-            batch.append(live[row])
-        outputs = pipeline.execute(maxapi.TextGenerationInputs(batches=[batch]))
+    steps = {"prefill": 0, "decode": 0}
+
+    def step(rows: list[int], phase: str) -> None:
+        k = steps[phase]
+        steps[phase] += 1
+        with step_hook(phase, k) if step_hook else contextlib.nullcontext():
+            batch = []
+            for row in rows:
+                kv.alloc(live[row]).synchronize()
+                batch.append(live[row])
+            outputs = pipeline.execute(maxapi.TextGenerationInputs(batches=[batch]))
         now = time.perf_counter()
         for rid, out in outputs.items():
             hit = index.get(rid)
@@ -246,9 +264,9 @@ def run_batch(engine: Any, batch_prompts: list[list[int]], output_len: int, budg
             live[row] = c
         t0 = time.perf_counter()
         for group in waves([len(p) for p in batch_prompts], budget):
-            step([r for r in group if r in live])
+            step([r for r in group if r in live], "prefill")
         while live:
-            step(list(live))
+            step(list(live), "decode")
         t_end = time.perf_counter()
     finally:
         for row in list(live):
@@ -746,7 +764,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--gpu-memory-gib",
         type=float,
         default=None,
-        help=f"free device memory the plan assumes (default {DEFAULT_GPU_FREE_GIB}: an idle 80 GB H100)",
+        help=f"free device memory (CUDA's figure) the plan assumes (default {DEFAULT_GPU_FREE_GIB}: an idle "
+        "80 GB H100); MAX's planner sees 0.9 of it (its memory manager's pool), then applies --kv-memory-fraction",
     )
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--arch", choices=["ours", "stock", "bandwidth"], default="ours", help=argparse.SUPPRESS)

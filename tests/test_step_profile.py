@@ -1,0 +1,168 @@
+"""scripts/step_profile.py without a GPU: kernel names to categories, the Chrome trace torch's
+profiler exports to kernel events and step windows, events to steps, and the per-step sums."""
+
+from __future__ import annotations
+
+import pytest
+
+from script_loader import load_script
+
+sp = load_script("scripts/step_profile.py", "step_profile")
+
+# Names as the GPU shows them: our Mojo kernels are cut to 30 characters, then a parameter code
+# and a hash (bench/results/moe_decode_ncu_h100_20261121_v5.txt); the others are plausible.
+GATE_UP = "gptoss_kernels_moe_gpu_gate_up6A6A6A6A_759b8e13d786772a"
+DOWN = "gptoss_kernels_moe_gpu_down_ke6A6A6A6A_ba6c3d3022833976"
+PREFILL = "gptoss_kernels_moe_prefill_gpu6A6A_0011aa"
+ATTN = "gptoss_kernels_attention_gpu_a6A6A_12ab"
+MERGE = "gptoss_kernels_attention_gpu_a6A6A_34cd"
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "block", "category"),
+    [
+        (GATE_UP, "kernel", (64, 1, 1), "moe_decode_gate_up"),
+        (DOWN, "kernel", (32, 1, 1), "moe_decode_down"),
+        (PREFILL, "kernel", (256, 1, 1), "moe_prefill"),
+        (ATTN, "kernel", (256, 1, 1), "attention_ours"),
+        (MERGE, "kernel", (32, 1, 1), "attention_merge"),
+        ("gptoss_kernels_mxfp4_whatever", "kernel", None, "ours_other"),
+        ("nn_mha_mha_sm90_flash_attention_ragged", "kernel", None, "attention_max"),
+        ("kv_cache_store_ragged_kernel", "kernel", None, "kv_cache"),
+        ("linalg_matmul_gpu_sm90_matmul_kernels_hopper", "kernel", None, "matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", None, "matmul"),
+        ("nn_normalization_rms_norm_gpu_block", "kernel", None, "norm"),
+        ("nn_rope_fused_qk_rope_ragged", "kernel", None, "rope"),
+        ("nn_topk_topk_gpu_stage1", "kernel", None, "router_topk"),
+        ("nn_sampling_apply_penalties", "kernel", None, "sampling"),
+        ("std_algorithm_functional_elementwise", "kernel", None, "elementwise"),
+        ("Memcpy DtoH (Device -> Pinned)", "memcpy", None, "memcpy"),
+        ("Memset (Device)", "memset", None, "memcpy"),
+        ("something_unheard_of", "kernel", None, "other"),
+    ],
+)
+def test_categories(name, kind, block, category):
+    assert sp.categorize(name, kind, block) == category
+    assert category in dict(sp.CATEGORIES)
+
+
+def _kernel(name, ts, dur, block=None, cat="kernel", graph=None):
+    args = {"device": 0, "stream": 7}
+    if block is not None:
+        args["block"] = list(block)
+    if graph is not None:
+        args["graph id"] = graph
+    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": "stream 7", "ts": ts, "dur": dur, "args": args}
+
+
+def _step(phase, index, ts, dur):
+    return {"ph": "X", "cat": "user_annotation", "name": f"gptoss_step:{phase}:{index}", "ts": ts, "dur": dur}
+
+
+def _decode_layer(t0):
+    """One fake decode layer's kernels from t0 (µs): 10 + 5 + 3 + 1 + 1 + 4 = 24 µs busy."""
+    return [
+        _kernel("nn_normalization_rms_norm_gpu", t0, 1.0),
+        _kernel("linalg_matmul_gpu_qkv", t0 + 1, 4.0),
+        _kernel(ATTN, t0 + 5, 3.0, block=(256, 1, 1)),
+        _kernel(MERGE, t0 + 8, 1.0, block=(32, 1, 1)),
+        _kernel(GATE_UP, t0 + 9, 10.0, block=(64, 1, 1)),
+        _kernel(DOWN, t0 + 19, 5.0, block=(32, 1, 1)),
+    ]
+
+
+def _trace(shift=0.0):
+    """Two layers per step; decode steps 8 and 9 (profiled) and one prefill step; events outside
+    every window (an unprofiled step) and host-side noise. `shift` moves the GPU clock."""
+    ev = [_step("prefill", 0, 0, 5000), _step("decode", 8, 10_000, 1000), _step("decode", 9, 12_000, 1000)]
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 1, "dur": 1})
+    ev.append({"ph": "i", "cat": "kernel", "name": GATE_UP, "ts": 2})  # not a complete event
+    gpu = [_kernel(PREFILL, 100, 400.0), _kernel("linalg_matmul_gpu_lm_head", 600, 50.0)]
+    for start in (10_100, 12_100):
+        gpu += _decode_layer(start) + _decode_layer(start + 30)
+        gpu.append(_kernel("nn_sampling_fused_token_sampling", start + 60, 2.0))
+        gpu.append(_kernel("Memcpy DtoH (Device -> Pinned)", start + 70, 3.0, cat="gpu_memcpy"))
+    gpu.append(_kernel(GATE_UP, 11_500, 10.0))  # between the windows: an unprofiled step
+    for g in gpu:
+        g["ts"] += shift
+    return {"traceEvents": ev + gpu}
+
+
+def test_trace_to_events_and_windows():
+    trace = _trace()
+    events = sp.kernel_events(trace)
+    assert len(events) == 2 + 2 * 14 + 1
+    assert [e.start_us for e in events] == sorted(e.start_us for e in events)
+    assert sum(e.kind == "memcpy" for e in events) == 2
+    merge = next(e for e in events if e.name == MERGE)
+    assert merge.block == (32, 1, 1) and not merge.graph
+    assert sp.kernel_events({"traceEvents": [_kernel(GATE_UP, 0, 1.0, graph=3)]})[0].graph
+    windows = sp.step_windows(trace)
+    assert [(w.phase, w.index) for w in windows] == [("prefill", 0), ("decode", 8), ("decode", 9)]
+    assert windows[1].start_us == 10_000 and windows[1].end_us == 11_000
+
+
+def _check_summary(phases):
+    dec = phases["decode"]
+    assert list(phases) == ["decode", "prefill"]
+    assert dec["steps"] == 2 and dec["layers"] == 2
+    cats = {r["category"]: r for r in dec["categories"]}
+    # per step: 2 layers x (gate_up 10, down 5, attention 3, merge 1, norm 1, matmul 4) + sampling 2 + memcpy 3
+    expect = {"moe_decode_gate_up": 20, "moe_decode_down": 10, "attention_ours": 6, "attention_merge": 2,
+              "norm": 2, "matmul": 8, "sampling": 2, "memcpy": 3}  # fmt: skip
+    assert {c: r["us_per_step"] for c, r in cats.items()} == expect
+    assert cats["moe_decode_gate_up"]["us_per_layer"] == 10 and cats["matmul"]["us_per_layer"] is None
+    assert cats["moe_decode_gate_up"]["launches_per_step"] == 2 and cats["memcpy"]["launches_per_step"] == 1
+    assert sum(r["share"] for r in dec["categories"]) == pytest.approx(1.0, abs=1e-3)
+    assert [r["category"] for r in dec["categories"]] == [c for c, _ in sp.CATEGORIES if c in expect]
+    assert dec["gpu_busy_us_per_step"] == 53.0 and dec["kernels_per_step"] == 13
+    assert [s["index"] for s in dec["per_step"]] == [8, 9]
+    assert all(s["gpu_busy_us"] == 53.0 and s["gpu_span_us"] == 73.0 for s in dec["per_step"])
+    top = dec["kernels"][0]
+    assert (top["name"], top["category"], top["us_per_step"]) == (GATE_UP, "moe_decode_gate_up", 20)
+    assert top["calls_per_step"] == 2 and top["mean_us"] == 10
+    pre = phases["prefill"]
+    assert {r["category"]: r["us_per_step"] for r in pre["categories"]} == {"moe_prefill": 400, "matmul": 50}
+    assert pre["gpu_span_us_per_step"] == 550 and pre["wall_us_per_step"] == 5000
+
+
+def test_steps_by_host_windows():
+    trace = _trace()
+    by_window, method = sp.assign_steps(sp.kernel_events(trace), sp.step_windows(trace))
+    assert method == "windows"
+    assert sum(len(v) for v in by_window.values()) == 2 + 2 * 14  # the unprofiled step's kernel is left out
+    phases = sp.summarize(by_window, n_layers=2)
+    _check_summary(phases)
+    table = sp.format_table(phases, top=3)
+    assert "| moe_decode_gate_up | 20.0 | 10.00 | 2.0 | 37.7 % |" in table and GATE_UP in table
+
+
+def test_steps_by_gaps_when_clocks_disagree():
+    """GPU timestamps an hour off the host's: nothing falls in a window, so the kernels are cut at
+    the largest idle gaps, in window order (the unprofiled step's kernel is part of the shift too,
+    so leave it out here)."""
+    trace = _trace(shift=3.6e9)
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e["name"] == GATE_UP and e["ts"] == 11_500 + 3.6e9)]
+    by_window, method = sp.assign_steps(sp.kernel_events(trace), sp.step_windows(trace))
+    assert method == "gaps"
+    phases = sp.summarize(by_window, n_layers=2)
+    dec = phases["decode"]
+    assert [s["gpu_busy_us"] for s in dec["per_step"]] == [53.0, 53.0]
+    prefill = {r["category"]: r["us_per_step"] for r in phases["prefill"]["categories"]}
+    assert prefill == {"moe_prefill": 400, "matmul": 50}
+
+
+def test_help_and_no_gpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        sp.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--batch", "--context", "--steps", "--graph-capture", "--kv-memory-fraction", "--out"):
+        assert flag in out
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    with pytest.raises(SystemExit) as e:
+        sp.main(["--model", "synthetic:20b", "--out", "/nonexistent"])
+    assert e.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
