@@ -7,8 +7,9 @@ MAX's pipeline, `synthetic:20b|120b` weights made on the device, `batch` random 
 `--context` tokens, greedy, EOS ignored, prefill in waves of `--max-batch-input-tokens`):
 
   1. an untimed run of the same shapes warms every first-use cost;
-  2. a second run is stepped under `torch.profiler` (CUDA activity = CUPTI, which records every
-     kernel launched in the process, MAX's own included): the first prefill step and
+  2. a second run is stepped under `torch.profiler` (CUDA activity = CUPTI, whose activity
+     records cover every kernel the process launches, MAX's own included; not yet seen on a GPU:
+     the script says so if it gets none): the first prefill step and
      `--steps` decode steps after `--warmup-steps` are each marked with a `record_function`
      range; every pipeline step returns only once its sampled tokens are on the host, so a
      kernel belongs to the step whose range holds its start (if the clocks do not line up,
@@ -447,8 +448,8 @@ def run(args: argparse.Namespace) -> int:
             )
     if not events:
         warnings.append(
-            "the profiler saw no GPU activity at all: CUPTI did not report MAX's kernels in this process "
-            "(torch's CUDA and MAX's must share the device's primary context); nothing to break down"
+            "the profiler saw no GPU activity at all (CUPTI reported no kernel of MAX's in this process); "
+            "nothing to break down: profile with nsys instead"
         )
     if method == "gaps":
         warnings.append("kernels were assigned to steps at idle gaps (the trace's host and GPU clocks did not line up)")
