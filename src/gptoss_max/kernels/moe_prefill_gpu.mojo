@@ -36,16 +36,31 @@
 # of its scale row that holds this block's E8M0 byte (rows are K/32 = 90
 # bytes, so only 2-byte aligned).
 
-from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
-from max.gpu.compute.mma import mma
-from max.gpu.host import DeviceContext
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
+from max.gpu.compute.mma import (
+    WGMMADescriptor,
+    mma,
+    wgmma_async,
+    wgmma_commit_group_sync,
+    wgmma_fence_aligned,
+    wgmma_wait_group_sync,
+)
+from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.intrinsics import byte_permute
-from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group
+from max.gpu.memory import (
+    AddressSpace,
+    async_copy,
+    async_copy_commit_group,
+    async_copy_wait_group,
+    external_memory,
+    fence_async_view_proxy,
+)
 from max.gpu.primitives.warp import vote
 from std.atomic import Atomic
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
 from std.sys import is_gpu
+from std.utils import StaticTuple
 
 from .moe_common import gptoss_swiglu
 
@@ -58,34 +73,43 @@ comptime PREFILL_MAX_EXPERTS = 256
 comptime PREFILL_MIN_PAIRS_PER_EXPERT = 4
 comptime PREFILL_MIN_PAIRS = 256
 
-# Tile configurations (compile-time): BM token rows x BN weight rows per
-# block, WARPS_M x WARPS_N warps, STAGES-deep cp.async pipeline.
-comptime N_CONFIGS = 5
+# Tile configurations (compile-time). c0..c4 (p1, mma.sync): BM token rows
+# x BN weight rows per block, WARPS_M x WARPS_N warps, STAGES-deep cp.async
+# pipeline. c5.. (p2, wgmma; see "p2" below): BM = the block's token tile
+# (the wgmma N), BN = 64 weight rows per warpgroup (the wgmma M), 128 * BN / 64
+# threads, STAGES smem stages.
+comptime N_CONFIGS = 9
+comptime P1_CONFIGS = 5
+
+
+@always_inline
+def cfg_wgmma(c: Int) -> Bool:
+    return c >= P1_CONFIGS
 
 
 @always_inline
 def cfg_bm(c: Int) -> Int:
-    return [128, 64, 128, 64, 32][c]
+    return [128, 64, 128, 64, 32, 128, 256, 64, 128][c]
 
 
 @always_inline
 def cfg_bn(c: Int) -> Int:
-    return [128, 128, 64, 64, 128][c]
+    return [128, 128, 64, 64, 128, 128, 128, 128, 192][c]
 
 
 @always_inline
 def cfg_warps_m(c: Int) -> Int:
-    return [2, 2, 4, 2, 1][c]
+    return [2, 2, 4, 2, 1, 1, 1, 1, 1][c]
 
 
 @always_inline
 def cfg_warps_n(c: Int) -> Int:
-    return [4, 4, 2, 2, 4][c]
+    return [4, 4, 2, 2, 4, 8, 8, 8, 12][c]
 
 
 @always_inline
 def cfg_stages(c: Int) -> Int:
-    return [3, 4, 4, 4, 4][c]
+    return [3, 4, 4, 4, 4, 4, 4, 4, 4][c]
 
 
 def auto_config(pairs_per_expert: Int) -> Int:
@@ -112,6 +136,12 @@ def prefill_feasible(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter
     return meta_words(n_pairs, n_experts) <= n_pairs * inter // 2
 
 
+def p2_feasible(hidden: Int, inter: Int) -> Bool:
+    """The wgmma configs (c5..) also need K in whole 64-element stages (so a
+    stage's two scale bytes share one aligned 4-byte window) on both GEMMs."""
+    return hidden % P2_BK == 0 and inter % P2_BK == 0
+
+
 def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: Int, path: Int) raises -> Int:
     """Which kernel a step of the MXFP4 op pair runs on the GPU: -1 for the
     decode kernel (moe_gpu.mojo), else a prefill tile configuration. Both
@@ -123,7 +153,7 @@ def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: 
     if path >= 2:
         if path - 2 >= N_CONFIGS:
             raise Error("gptoss MoE: no prefill tile configuration ", path - 2)
-        if not ok:
+        if not ok or (cfg_wgmma(path - 2) and not p2_feasible(hidden, inter)):
             raise Error("gptoss MoE: prefill path forced on shapes it does not handle")
         return path - 2
     var n_pairs = tokens * top_k
@@ -458,6 +488,401 @@ def gemm_kernel[
                         h_out[unsafe_offset=(row0 + r) * inter + h_slot(n >> 1)] = v.cast[DType.bfloat16]()
 
 
+# ---------------------------------------------------------------- p2: wgmma
+#
+# The same grouped GEMM on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a),
+# configs c5.. . Roles are swapped against p1: the wgmma M (64 rows per
+# warpgroup) is the WEIGHT rows, its N the block's token tile, so
+#   D^T [weight rows x tokens] = W [rows x K] . X^T [K x tokens].
+# A (weights) comes from registers: each thread decodes its own MXFP4 codes
+# straight into the wgmma A fragment, once per block (every weight of the
+# block's tile is decoded by exactly one thread, and each decoded weight
+# feeds NT tokens). B (tokens: x rows gathered through the sorted pair ids
+# for gate_up, sorted h rows for down) is staged by cp.async into shared
+# memory as K-major bf16 with the 128-byte swizzle and read by the tensor
+# cores through a matrix descriptor. Accumulators f32 in registers.
+#
+# Per stage (P2_BK = 64 k, one 128-byte swizzle row of bf16):
+#   X tile   [BM tokens][64] bf16, 8-row atoms of 1024 B; 16-byte chunk cc
+#            of row r at r * 128 + ((cc ^ (r & 7)) << 4)   (x_smem_offset)
+#   packed   [BN rows][32 bytes] MXFP4 codes, in 16-byte units u = 2 * row +
+#            blk, stored at unit packed_unit(u) (bank-conflict-free reads)
+#   scales   [BN rows] the aligned 4-byte window of each row's scale row that
+#            holds this stage's two E8M0 bytes.
+# STAGES buffers, loads issued STAGES - 2 stages ahead; one wgmma group per
+# k16 step, at most two in flight (wait_group 1), so the tensor pipe is fed
+# across the per-stage barrier.
+#
+# Fragment mapping (PTX ISA, wgmma .m64nNk16 register fragments; the same
+# per-warp layout as mma.sync m16n8k16): warp w of a warpgroup owns M rows
+# 16w..16w+15; lane (g = lane / 4, q = lane % 4) holds A (row g, k 2q, 2q+1),
+# (g + 8, same k), (g, k 2q+8, 2q+9), (g + 8, k 2q+8, 2q+9) and D (row g,
+# cols 8i + 2q, +1), (row g + 8, same cols) for each 8-column chunk i. M row
+# g of warp w is weight row 16w + 2g and M row g + 8 is 16w + 2g + 1: a
+# thread holds a gate row and its up row (gate_up: rows interleaved), so
+# SwiGLU and the down epilogue's f32 pair stores need no shuffle. K stays in
+# natural order (a_pair), so gate_up writes h unpermuted and down reads it
+# as is; c5.. and c0..c4 each keep their own h order (both ops of a step
+# take the same config).
+
+comptime P2_BK = 64
+
+
+@always_inline
+def cfg_min_blocks(c: Int) -> Int:
+    """Blocks per SM a p2 config is built for (ptxas caps registers at
+    65536 / (threads * this))."""
+    return [1, 1, 1, 1, 1, 2, 1, 2, 1][c]
+
+
+@always_inline
+def p2_threads(c: Int) -> Int:
+    return 128 * (cfg_bn(c) // 64)
+
+
+@always_inline
+def p2_stage_bytes(bm: Int, bn: Int) -> Int:
+    """One stage: X tile, packed codes, scale windows; 1024-aligned."""
+    return (bm * 128 + bn * 32 + bn * 4 + 1023) // 1024 * 1024
+
+
+@always_inline
+def p2_smem_bytes(c: Int) -> Int:
+    """Dynamic shared memory of config c (+1 KB to align the base)."""
+    return cfg_stages(c) * p2_stage_bytes(cfg_bm(c), cfg_bn(c)) + 1024
+
+
+@always_inline
+def x_smem_offset(r: Int, cc: Int) -> Int:
+    """Byte offset of 16-byte chunk cc (k = 8cc..8cc+7) of token row r in a
+    stage's X tile: K-major, 128-byte swizzle (chunk XOR row mod 8)."""
+    return r * 128 + ((cc ^ (r & 7)) << 4)
+
+
+@always_inline
+def wgmma_desc_sw128(addr: Int) -> Int64:
+    """wgmma shared-memory descriptor of a K-major bf16 tile with the 128-byte
+    swizzle at shared address addr (1024-aligned tile, plus 32 bytes per k16
+    step): start address >> 4 (bits 0-13), leading byte offset 16 >> 4 = 1
+    (bits 16-29, unused by swizzled K-major), stride byte offset 1024 >> 4 =
+    64 (bits 32-45: the next 8-row atom), base offset 0, swizzle mode 1 =
+    128B (bits 62-63)."""
+    return Int64((addr & 0x3FFFF) >> 4) | (Int64(1) << 16) | (Int64(64) << 32) | (Int64(1) << 62)
+
+
+@always_inline
+def packed_unit(u: Int) -> Int:
+    """Physical 16-byte unit of packed unit u = 2 * row + blk: inside each row
+    pair j = u >> 2, the low two bits XOR (j >> 1) & 3, so the 8 row pairs a
+    warp reads at once sit in 8 different bank groups."""
+    return (u & ~3) | ((u & 3) ^ ((u >> 3) & 3))
+
+
+@always_inline
+def prmt(a: UInt32, b: UInt32, sel: UInt32) -> UInt32:
+    """PTX prmt (default mode): result byte i = byte (sel >> 4i) & 7 of b:a."""
+    comptime if is_gpu():
+        return byte_permute(a, b, sel)
+    else:
+        var r: UInt32 = 0
+        comptime for i in range(4):
+            var idx = (sel >> UInt32(4 * i)) & 7
+            var byte = (a >> (8 * idx)) & 0xFF if idx < 4 else (b >> (8 * (idx - 4))) & 0xFF
+            r |= byte << UInt32(8 * i)
+        return r
+
+
+@always_inline
+def a_pair_sel(q: Int) -> UInt32:
+    """prmt selector for a_pair: byte q of (w << 4) to byte 1, byte q of w to byte 3."""
+    return UInt32(((4 + q) << 12) | (q << 4))
+
+
+@always_inline
+def a_pair(w: UInt32, sel: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
+    """Byte q of w (codes of k = 2j in its low nibble, 2j + 1 in its high) as
+    the bf16 pair (k = 2j low half, 2j + 1 high half) times mult: prmt puts
+    the low nibble at bits 12-15 and the high one at bits 28-31, where
+    decode_pair reads them."""
+    return decode_pair(prmt(w << 4, w, sel), mult)
+
+
+@always_inline
+def p2_mults(s: UInt32) -> SIMD[DType.uint32, 2]:
+    """(first, second) bf16x2 multipliers for E8M0 scale byte s: 2^(s-1) and
+    none when s <= 128 (decode_pair's 2^-126 times 2^(s-1)); else 2^126 then
+    2^(s-127)."""
+    if s <= 128:
+        var m = (s + 126) << 7
+        return SIMD[DType.uint32, 2](m | (m << 16), 0x3F803F80)
+    var m2 = s << 7
+    return SIMD[DType.uint32, 2](UInt32(0x7E807E80), m2 | (m2 << 16))
+
+
+@always_inline
+def p2_frag[
+    big: Bool
+](
+    w0a: UInt32, w1a: UInt32, w0b: UInt32, w1b: UInt32, sel: UInt32, m0: SIMD[DType.uint32, 2], m1: SIMD[DType.uint32, 2]
+) -> SIMD[DType.bfloat16, 8]:
+    """A fragment of one k16 step: (R0, k 2q..) from w0a, (R1, k 2q..) from
+    w1a, (R0, k 2q+8..) from w0b, (R1, k 2q+8..) from w1b; m0 / m1 the
+    multipliers of rows R0 / R1 for this step's 32-k block."""
+    var f0 = bitcast[DType.bfloat16, 2](m0[0])
+    var f1 = bitcast[DType.bfloat16, 2](m1[0])
+    var p = SIMD[DType.uint32, 4](a_pair(w0a, sel, f0), a_pair(w1a, sel, f1), a_pair(w0b, sel, f0), a_pair(w1b, sel, f1))
+    comptime if big:
+        var g0 = bitcast[DType.bfloat16, 2](m0[1])
+        var g1 = bitcast[DType.bfloat16, 2](m1[1])
+        p[0] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[0]) * g0)
+        p[1] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[1]) * g1)
+        p[2] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[2]) * g0)
+        p[3] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[3]) * g1)
+    return bitcast[DType.bfloat16, 8](p)
+
+
+@always_inline
+def p2_nt_variant(rows_valid: Int, bm: Int) -> Int:
+    """Token-tile variant of a block: 0 runs wgmma N = BM / 4, 1 BM / 2, 2 BM
+    (the smallest that covers its rows; N is compile-time per variant)."""
+    if rows_valid <= bm // 4:
+        return 0
+    if rows_valid <= bm // 2:
+        return 1
+    return 2
+
+
+@always_inline
+def _p2_issue[
+    BM: Int, NT: Int, BN: Int, THREADS: Int, CPT: Int
+](
+    smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    x_off: Array[Int, CPT],
+    x_dst: Int,
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    b_off: Int,
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    s_off: Int,
+    tid: Int,
+    stage: Int,
+    kb: Int,
+):
+    """cp.async of stage `stage` <- k block kb (64 k): the first NT token rows
+    of X, every weight row's 32 code bytes, and its scale window."""
+    comptime STAGE = p2_stage_bytes(BM, BN)
+    var base = smem.unsafe_offset(stage * STAGE)
+    comptime for u in range(CPT):
+        if (tid + u * THREADS) >> 3 < NT:
+            async_copy[16](
+                a_src.unsafe_offset(x_off[u] + kb * P2_BK).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+                base.unsafe_offset(x_dst + u * THREADS * 16).unsafe_bitcast[BFloat16](),
+            )
+    async_copy[16](
+        blocks.unsafe_offset(b_off + kb * 32).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+        base.unsafe_offset(BM * 128 + packed_unit(tid) * 16),
+    )
+    if tid < BN:
+        async_copy[4](
+            scales.unsafe_offset((s_off + 2 * kb) & ~3).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            base.unsafe_offset(BM * 128 + BN * 32 + tid * 4),
+        )
+
+
+@always_inline
+def _p2_tile[
+    down: Bool, BM: Int, NT: Int, NWG: Int, STAGES: Int
+](
+    smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    partial: Pointer[Float32, MutAnyOrigin],
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    sorted: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k: Int,
+    n_rows: Int,
+    k_dim: Int,
+    e: Int,
+    row0: Int,
+    rows_valid: Int,
+    n0: Int,
+):
+    """One block's tile with a wgmma N of NT tokens (rows_valid <= NT)."""
+    comptime BN = 64 * NWG
+    comptime THREADS = 128 * NWG
+    comptime STAGE = p2_stage_bytes(BM, BN)
+    comptime CPT = (BM * 8 + THREADS - 1) // THREADS  # X chunks per thread per stage
+    comptime assert STAGES >= 3, "loads run STAGES - 2 stages ahead of a 2-deep wgmma queue"
+    comptime assert (THREADS // 8) % 8 == 0, "a thread's X chunks must share its row mod 8"
+    var nkb = k_dim // P2_BK
+    var tid = Int(thread_idx.x)
+
+    # Copy roles. X: chunks tid + u * THREADS (row >> 3, chunk & 7);
+    # rows past rows_valid load the last valid row (results not stored).
+    var x_off = Array[Int, CPT](fill=0)
+    comptime for u in range(CPT):
+        var c = tid + u * THREADS
+        var r = min(c >> 3, max(rows_valid - 1, 0))
+        var src_row: Int
+        comptime if down:
+            src_row = row0 + r
+        else:
+            src_row = Int(sorted[unsafe_offset=row0 + r]) // top_k
+        x_off[u] = src_row * k_dim + (c & 7) * 8
+    var x_dst = x_smem_offset(tid >> 3, tid & 7)
+    # packed unit tid = (row tid >> 1, blk tid & 1); scale window of row tid
+    var b_row = e * n_rows + min(n0 + (tid >> 1), n_rows - 1)
+    var b_off = b_row * (k_dim // 2) + (tid & 1) * 16
+    var s_off = (e * n_rows + min(n0 + tid, n_rows - 1)) * (k_dim // 32)
+
+    comptime for s in range(STAGES - 2):
+        if s < nkb:
+            _p2_issue[BM, NT, BN, THREADS, CPT](
+                smem, a_src, x_off, x_dst, blocks, b_off, scales, s_off, tid, s, s
+            )
+        async_copy_commit_group()
+
+    # Compute roles: warpgroup wg, warp w in it, lane (g, q); rows R0 = even
+    # (M row g), R1 = R0 + 1 (M row g + 8) of the block's BN.
+    var wg = tid >> 7
+    var lane = Int(lane_id())
+    var g = lane >> 2
+    var q = lane & 3
+    var r0 = 64 * wg + 16 * ((tid >> 5) & 3) + 2 * g
+    var wg_active = n0 + 64 * wg < n_rows
+    var sel = a_pair_sel(q)
+    # scale byte of rows R0 / R1 in their windows: (row offset + 2 kb) & 3
+    var so0 = (e * n_rows + min(n0 + r0, n_rows - 1)) * (k_dim // 32)
+    var so1 = (e * n_rows + min(n0 + r0 + 1, n_rows - 1)) * (k_dim // 32)
+    var u0 = packed_unit(2 * r0) * 16  # + 16 for blk 1 stays in the unit group
+    var u0b = packed_unit(2 * r0 + 1) * 16
+    var u1 = packed_unit(2 * r0 + 2) * 16
+    var u1b = packed_unit(2 * r0 + 3) * 16
+    var smem_addr = Int(smem)
+    var acc = SIMD[DType.float32, NT // 2](0)
+
+    for kb in range(nkb):
+        async_copy_wait_group(Int32(STAGES - 3))
+        fence_async_view_proxy()
+        barrier()
+        var nxt = kb + STAGES - 2
+        if nxt < nkb:
+            _p2_issue[BM, NT, BN, THREADS, CPT](
+                smem, a_src, x_off, x_dst, blocks, b_off, scales, s_off, tid, nxt % STAGES, nxt
+            )
+        async_copy_commit_group()
+        if wg_active:
+            var st = (kb % STAGES) * STAGE
+            var sw = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()
+            var win = sw.unsafe_load[width=2, alignment=8](0)
+            var sh0 = UInt32(8 * ((so0 + 2 * kb) & 3))
+            var sh1 = UInt32(8 * ((so1 + 2 * kb) & 3))
+            var sc = SIMD[DType.uint32, 4](
+                (win[0] >> sh0) & 0xFF, (win[0] >> (sh0 + 8)) & 0xFF, (win[1] >> sh1) & 0xFF, (win[1] >> (sh1 + 8)) & 0xFF
+            )
+            var big = vote[DType.uint32](sc[0] > 128 or sc[1] > 128 or sc[2] > 128 or sc[3] > 128) != 0
+            var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
+            var desc0 = wgmma_desc_sw128(smem_addr + st)
+            comptime for blk in range(2):
+                var m0 = p2_mults(sc[blk])
+                var m1 = p2_mults(sc[2 + blk])
+                var v0 = pk.unsafe_load[width=4, alignment=16](((u0b if blk == 1 else u0)) >> 2)
+                var v1 = pk.unsafe_load[width=4, alignment=16](((u1b if blk == 1 else u1)) >> 2)
+                comptime for s2 in range(2):
+                    var frag: SIMD[DType.bfloat16, 8]
+                    if big:
+                        frag = p2_frag[True](v0[2 * s2], v1[2 * s2], v0[2 * s2 + 1], v1[2 * s2 + 1], sel, m0, m1)
+                    else:
+                        frag = p2_frag[False](v0[2 * s2], v1[2 * s2], v0[2 * s2 + 1], v1[2 * s2 + 1], sel, m0, m1)
+                    wgmma_fence_aligned()
+                    acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
+                        frag, WGMMADescriptor[DType.bfloat16](desc0 + Int64((2 * blk + s2) * 2)), acc
+                    )
+                    wgmma_commit_group_sync()
+                    wgmma_wait_group_sync[1]()
+    wgmma_wait_group_sync[0]()
+
+    # Epilogue: D^T element (M row g | g + 8, token 8i + 2q + b) =
+    # acc[4i + b | 4i + 2 + b] -> weight rows n0 + r0 (gate / even), + 1.
+    var n = n0 + r0
+    if not wg_active or n >= n_rows:
+        return
+    var b0 = bias[unsafe_offset=e * n_rows + n]
+    var b1 = bias[unsafe_offset=e * n_rows + n + 1]
+    var lim = rows_valid - 2 * q  # token 8i + 2q + b is valid iff 8i + b < lim
+    comptime if down:
+        var sp = sorted.unsafe_offset(row0 + 2 * q)
+        comptime for i in range(NT // 8):
+            comptime for b in range(2):
+                if 8 * i + b < lim:
+                    var p = Int(sp[unsafe_offset=8 * i + b])
+                    var w = wts[unsafe_offset=p]
+                    var y = SIMD[DType.float32, 2](acc[4 * i + b] + b0, acc[4 * i + 2 + b] + b1)
+                    partial.unsafe_store[alignment=8](p * n_rows + n, w * y)
+    else:
+        var inter = n_rows // 2
+        var hp = h_out.unsafe_offset((row0 + 2 * q) * inter + (n >> 1))
+        comptime for i in range(NT // 8):
+            comptime for b in range(2):
+                if 8 * i + b < lim:
+                    var v = gptoss_swiglu(acc[4 * i + b] + b0, acc[4 * i + 2 + b] + b1)
+                    hp[unsafe_offset=(8 * i + b) * inter] = v.cast[DType.bfloat16]()
+
+
+@__llvm_metadata(
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(128 * NWG)),
+    `nvvm.minctasm`=SIMDLength(MIN_BLOCKS),
+)
+def p2_gemm_kernel[
+    down: Bool, BM: Int, NWG: Int, STAGES: Int, MIN_BLOCKS: Int
+](
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    partial: Pointer[Float32, MutAnyOrigin],
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    meta: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k_: Int64,
+    n_experts_: Int64,
+    n_rows_: Int64,
+    k_dim_: Int64,
+):
+    """gemm_kernel's contract (gate_up: A = x gathered by pair, N = 2I rows,
+    writes h_out in natural k order; down: A = sorted h, N = H, writes partial
+    by pair) on wgmma. BM tokens x 64 * NWG weight rows per block, 128 * NWG
+    threads, dynamic shared memory p2_smem_bytes."""
+    comptime BN = 64 * NWG
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var n_rows = Int(n_rows_)
+    var k_dim = Int(k_dim_)
+    var n_tiles_n = (n_rows + BN - 1) // BN
+    var ts = meta.unsafe_offset(n_experts + 1)
+    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    var tile = find_tile(ts, n_experts, n_tiles_n, Int(block_idx.x))
+    if tile[3] == 0:
+        return
+    var e = Int(tile[0])
+    var row0 = Int(meta[unsafe_offset=e]) + Int(tile[1]) * BM
+    var rows_valid = min(BM, Int(meta[unsafe_offset=e + 1]) - row0)
+    var n0 = Int(tile[2]) * BN
+    var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]()
+    var smem = raw.unsafe_offset((1024 - (Int(raw) & 1023)) & 1023)
+    var v = p2_nt_variant(rows_valid, BM)
+    comptime for vi in range(3):
+        comptime NT = BM >> (2 - vi)
+        if v == vi:
+            _p2_tile[down, BM, NT, NWG, STAGES](
+                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0,
+                rows_valid, n0,
+            )
+
+
 def combine_kernel[
     out_dtype: DType
 ](
@@ -522,23 +947,45 @@ def _gate_up_cfg[
     ctx.enqueue_function[route_kernel](
         meta, ids, Int64(n_pairs), Int64(n_experts), Int64(BM), grid_dim=1, block_dim=ROUTE_THREADS
     )
-    comptime kernel = gemm_kernel[False, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
-    ctx.enqueue_function[kernel](
-        h.unsafe_bitcast[BFloat16](),
-        h,
-        x,
-        rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
-        bias,
-        blocks,
-        scales,
-        bias,
-        Int64(top_k),
-        Int64(n_experts),
-        Int64(rows),
-        Int64(hidden),
-        grid_dim=_grid(n_pairs, n_experts, rows, BM, BN),
-        block_dim=WARPS * 32,
-    )
+    comptime if cfg_wgmma(c):
+        comptime kernel = p2_gemm_kernel[False, BM, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
+        comptime SMEM = p2_smem_bytes(c)
+        ctx.enqueue_function[kernel](
+            h.unsafe_bitcast[BFloat16](),
+            h,
+            x,
+            rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+            bias,
+            blocks,
+            scales,
+            bias,
+            Int64(top_k),
+            Int64(n_experts),
+            Int64(rows),
+            Int64(hidden),
+            grid_dim=_grid(n_pairs, n_experts, rows, BM, BN),
+            block_dim=p2_threads(c),
+            shared_mem_bytes=SMEM,
+            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(SMEM)),
+        )
+    else:
+        comptime kernel = gemm_kernel[False, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
+        ctx.enqueue_function[kernel](
+            h.unsafe_bitcast[BFloat16](),
+            h,
+            x,
+            rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+            bias,
+            blocks,
+            scales,
+            bias,
+            Int64(top_k),
+            Int64(n_experts),
+            Int64(rows),
+            Int64(hidden),
+            grid_dim=_grid(n_pairs, n_experts, rows, BM, BN),
+            block_dim=WARPS * 32,
+        )
 
 
 def _down_cfg[
@@ -565,23 +1012,45 @@ def _down_cfg[
     var n_pairs = tokens * top_k
     var meta = _meta_ptr(h, n_pairs, inter)
     var hb = rebind[Pointer[BFloat16, ImmutAnyOrigin]](h.unsafe_bitcast[BFloat16]())
-    comptime kernel = gemm_kernel[True, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
-    ctx.enqueue_function[kernel](
-        rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
-        partial,
-        hb,
-        rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
-        wts,
-        blocks,
-        scales,
-        bias,
-        Int64(top_k),
-        Int64(n_experts),
-        Int64(hidden),
-        Int64(inter),
-        grid_dim=_grid(n_pairs, n_experts, hidden, BM, BN),
-        block_dim=WARPS * 32,
-    )
+    comptime if cfg_wgmma(c):
+        comptime kernel = p2_gemm_kernel[True, BM, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
+        comptime SMEM = p2_smem_bytes(c)
+        ctx.enqueue_function[kernel](
+            rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
+            partial,
+            hb,
+            rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+            wts,
+            blocks,
+            scales,
+            bias,
+            Int64(top_k),
+            Int64(n_experts),
+            Int64(hidden),
+            Int64(inter),
+            grid_dim=_grid(n_pairs, n_experts, hidden, BM, BN),
+            block_dim=p2_threads(c),
+            shared_mem_bytes=SMEM,
+            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(SMEM)),
+        )
+    else:
+        comptime kernel = gemm_kernel[True, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
+        ctx.enqueue_function[kernel](
+            rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
+            partial,
+            hb,
+            rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+            wts,
+            blocks,
+            scales,
+            bias,
+            Int64(top_k),
+            Int64(n_experts),
+            Int64(hidden),
+            Int64(inter),
+            grid_dim=_grid(n_pairs, n_experts, hidden, BM, BN),
+            block_dim=WARPS * 32,
+        )
     ctx.enqueue_function[combine_kernel[out_dtype]](
         output,
         rebind[Pointer[Float32, ImmutAnyOrigin]](partial),
