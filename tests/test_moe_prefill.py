@@ -29,7 +29,7 @@ def main() raises:
     print("const", N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS)
     for t in [1, 2, 8, 16, 31, 32, 64, 128, 512, 2048, 16384]:
         for e in [8, 32, 128, 300]:
-            for path in [0, 1, 2, 6]:
+            for path in [0, 1, 2, 6, 7, 10, 11]:
                 var c: Int
                 try:
                     c = prefill_choice(t, 4, e, 2880, 2880, path)
@@ -37,6 +37,13 @@ def main() raises:
                     c = -9
                 print("choice", t, e, path, c)
     print("choice_small", prefill_choice(64, 4, 8, 64, 48, 0), prefill_choice(64, 4, 8, 2880, 2880, 0))
+    # K not in whole 64-element stages: p1 configs take it, p2 (wgmma) ones refuse
+    var p2_small: Int
+    try:
+        p2_small = prefill_choice(64, 4, 8, 96, 96, 7)
+    except:
+        p2_small = -9
+    print("choice_k96", prefill_choice(64, 4, 8, 96, 96, 2), p2_small)
     for i in range(64):
         print("slot", i, h_slot(i))
     var s: UInt64 = 7
@@ -108,6 +115,19 @@ def test_path_choice(lines) -> None:
     # 64 tokens x 4 over 8 experts with I = 48 (not a multiple of 32): decode kernel
     small, real = map(int, _rows(lines, "choice_small")[0])
     assert small == -1 and real >= 0
+    p1_k96, p2_k96 = map(int, _rows(lines, "choice_k96")[0])
+    assert p1_k96 == 0 and p2_k96 == -9
+
+
+def test_bench_sweeps_every_config(lines) -> None:
+    """bench/moe_prefill.py's N_CONFIGS (its default sweep and correctness
+    check) is the kernel package's."""
+    import re
+    from pathlib import Path
+
+    n_configs = int(_rows(lines, "const")[0][0])
+    bench = (Path(__file__).resolve().parents[1] / "bench" / "moe_prefill.py").read_text()
+    assert int(re.search(r"^N_CONFIGS = (\d+)", bench, re.M).group(1)) == n_configs
 
 
 def test_h_layout_is_the_decode_order(lines) -> None:

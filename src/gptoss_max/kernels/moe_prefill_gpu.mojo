@@ -653,13 +653,90 @@ def p2_nt_variant(rows_valid: Int, bm: Int) -> Int:
 
 
 @always_inline
+def p2_x_row(tid: Int, u: Int, threads: Int) -> Int:
+    """Token row of thread tid's X chunk u (its chunk index is tid & 7)."""
+    return (tid + u * threads) >> 3
+
+
+@always_inline
+def p2_x_dst(tid: Int, u: Int, threads: Int) -> Int:
+    """Byte offset in the X tile where thread tid's chunk u goes (threads / 8
+    is a multiple of 8 rows, so every chunk of a thread has its row mod 8)."""
+    return x_smem_offset(tid >> 3, tid & 7) + u * threads * 16
+
+
+@always_inline
+def p2_b_src(e: Int, n_rows: Int, n0: Int, tid: Int, k_dim: Int) -> Int:
+    """Byte offset in the code blocks of thread tid's packed unit at k block 0
+    (row tid >> 1 of the tile, clamped to the last row; 16-byte half tid & 1
+    of its 32 bytes per stage); + 32 per stage."""
+    return (e * n_rows + min(n0 + (tid >> 1), n_rows - 1)) * (k_dim // 2) + (tid & 1) * 16
+
+
+@always_inline
+def p2_s_row(e: Int, n_rows: Int, n0: Int, r: Int, k_dim: Int) -> Int:
+    """Byte offset of tile row r's scale row (clamped to the last row)."""
+    return (e * n_rows + min(n0 + r, n_rows - 1)) * (k_dim // 32)
+
+
+@always_inline
+def p2_scale_window(s_row: Int, kb: Int) -> Int:
+    """The aligned 4-byte window holding scale bytes 2kb, 2kb + 1 of a row."""
+    return (s_row + 2 * kb) & ~3
+
+
+@always_inline
+def p2_scale_shift(s_row: Int, kb: Int) -> UInt32:
+    """Bit offset of scale byte 2kb in its window (byte 2kb + 1 follows)."""
+    return UInt32(8 * ((s_row + 2 * kb) & 3))
+
+
+@always_inline
+def p2_scale_bytes(win: SIMD[DType.uint32, 2], sh0: UInt32, sh1: UInt32) -> SIMD[DType.uint32, 4]:
+    """(R0 blk 0, R0 blk 1, R1 blk 0, R1 blk 1) scale bytes from the windows of rows R0, R1."""
+    return SIMD[DType.uint32, 4](
+        (win[0] >> sh0) & 0xFF, (win[0] >> (sh0 + 8)) & 0xFF, (win[1] >> sh1) & 0xFF, (win[1] >> (sh1 + 8)) & 0xFF
+    )
+
+
+@always_inline
+def p2_row0(tid: Int) -> Int:
+    """Tile row (even: gate) whose A fragment thread tid decodes: warpgroup
+    tid >> 7, warp (tid >> 5) & 3 in it, g = lane >> 2; its M rows g, g + 8
+    are tile rows p2_row0, p2_row0 + 1."""
+    return 64 * (tid >> 7) + 16 * ((tid >> 5) & 3) + 2 * ((tid & 31) >> 2)
+
+
+@always_inline
+def p2_step_frag[
+    big: Bool
+](
+    v0: SIMD[DType.uint32, 4], v1: SIMD[DType.uint32, 4], s2: Int, sel: UInt32, m0: SIMD[DType.uint32, 2], m1: SIMD[DType.uint32, 2]
+) -> SIMD[DType.bfloat16, 8]:
+    """A fragment of k16 step s2 (0, 1) of a 32-k block from the block's 16
+    code bytes of rows R0 (v0) and R1 (v1)."""
+    return p2_frag[big](v0[2 * s2], v1[2 * s2], v0[2 * s2 + 1], v1[2 * s2 + 1], sel, m0, m1)
+
+
+@always_inline
+def p2_acc_gate(i: Int, b: Int) -> Int:
+    """Accumulator index of (M row g = tile row R0, token 8i + 2q + b)."""
+    return 4 * i + b
+
+
+@always_inline
+def p2_acc_up(i: Int, b: Int) -> Int:
+    """Accumulator index of (M row g + 8 = tile row R0 + 1, token 8i + 2q + b)."""
+    return 4 * i + 2 + b
+
+
+@always_inline
 def _p2_issue[
     BM: Int, NT: Int, BN: Int, THREADS: Int, CPT: Int
 ](
     smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     a_src: Pointer[BFloat16, ImmutAnyOrigin],
     x_off: Array[Int, CPT],
-    x_dst: Int,
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     b_off: Int,
     scales: Pointer[UInt8, ImmutAnyOrigin],
@@ -673,10 +750,10 @@ def _p2_issue[
     comptime STAGE = p2_stage_bytes(BM, BN)
     var base = smem.unsafe_offset(stage * STAGE)
     comptime for u in range(CPT):
-        if (tid + u * THREADS) >> 3 < NT:
+        if p2_x_row(tid, u, THREADS) < NT:
             async_copy[16](
                 a_src.unsafe_offset(x_off[u] + kb * P2_BK).unsafe_address_space_cast[AddressSpace.GLOBAL](),
-                base.unsafe_offset(x_dst + u * THREADS * 16).unsafe_bitcast[BFloat16](),
+                base.unsafe_offset(p2_x_dst(tid, u, THREADS)).unsafe_bitcast[BFloat16](),
             )
     async_copy[16](
         blocks.unsafe_offset(b_off + kb * 32).unsafe_address_space_cast[AddressSpace.GLOBAL](),
@@ -684,7 +761,7 @@ def _p2_issue[
     )
     if tid < BN:
         async_copy[4](
-            scales.unsafe_offset((s_off + 2 * kb) & ~3).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            scales.unsafe_offset(p2_scale_window(s_off, kb)).unsafe_address_space_cast[AddressSpace.GLOBAL](),
             base.unsafe_offset(BM * 128 + BN * 32 + tid * 4),
         )
 
@@ -724,43 +801,32 @@ def _p2_tile[
     # rows past rows_valid load the last valid row (results not stored).
     var x_off = Array[Int, CPT](fill=0)
     comptime for u in range(CPT):
-        var c = tid + u * THREADS
-        var r = min(c >> 3, max(rows_valid - 1, 0))
+        var r = min(p2_x_row(tid, u, THREADS), max(rows_valid - 1, 0))
         var src_row: Int
         comptime if down:
             src_row = row0 + r
         else:
             src_row = Int(sorted[unsafe_offset=row0 + r]) // top_k
-        x_off[u] = src_row * k_dim + (c & 7) * 8
-    var x_dst = x_smem_offset(tid >> 3, tid & 7)
+        x_off[u] = src_row * k_dim + (tid & 7) * 8
     # packed unit tid = (row tid >> 1, blk tid & 1); scale window of row tid
-    var b_row = e * n_rows + min(n0 + (tid >> 1), n_rows - 1)
-    var b_off = b_row * (k_dim // 2) + (tid & 1) * 16
-    var s_off = (e * n_rows + min(n0 + tid, n_rows - 1)) * (k_dim // 32)
+    var b_off = p2_b_src(e, n_rows, n0, tid, k_dim)
+    var s_off = p2_s_row(e, n_rows, n0, tid, k_dim)
 
     comptime for s in range(STAGES - 2):
         if s < nkb:
             _p2_issue[BM, NT, BN, THREADS, CPT](
-                smem, a_src, x_off, x_dst, blocks, b_off, scales, s_off, tid, s, s
+                smem, a_src, x_off, blocks, b_off, scales, s_off, tid, s, s
             )
         async_copy_commit_group()
 
     # Compute roles: warpgroup wg, warp w in it, lane (g, q); rows R0 = even
     # (M row g), R1 = R0 + 1 (M row g + 8) of the block's BN.
-    var wg = tid >> 7
-    var lane = Int(lane_id())
-    var g = lane >> 2
-    var q = lane & 3
-    var r0 = 64 * wg + 16 * ((tid >> 5) & 3) + 2 * g
-    var wg_active = n0 + 64 * wg < n_rows
+    var q = tid & 3
+    var r0 = p2_row0(tid)
+    var wg_active = n0 + 64 * (tid >> 7) < n_rows
     var sel = a_pair_sel(q)
-    # scale byte of rows R0 / R1 in their windows: (row offset + 2 kb) & 3
-    var so0 = (e * n_rows + min(n0 + r0, n_rows - 1)) * (k_dim // 32)
-    var so1 = (e * n_rows + min(n0 + r0 + 1, n_rows - 1)) * (k_dim // 32)
-    var u0 = packed_unit(2 * r0) * 16  # + 16 for blk 1 stays in the unit group
-    var u0b = packed_unit(2 * r0 + 1) * 16
-    var u1 = packed_unit(2 * r0 + 2) * 16
-    var u1b = packed_unit(2 * r0 + 3) * 16
+    var so0 = p2_s_row(e, n_rows, n0, r0, k_dim)
+    var so1 = p2_s_row(e, n_rows, n0, r0 + 1, k_dim)
     var smem_addr = Int(smem)
     var acc = SIMD[DType.float32, NT // 2](0)
 
@@ -771,35 +837,31 @@ def _p2_tile[
         var nxt = kb + STAGES - 2
         if nxt < nkb:
             _p2_issue[BM, NT, BN, THREADS, CPT](
-                smem, a_src, x_off, x_dst, blocks, b_off, scales, s_off, tid, nxt % STAGES, nxt
+                smem, a_src, x_off, blocks, b_off, scales, s_off, tid, nxt % STAGES, nxt
             )
         async_copy_commit_group()
         if wg_active:
             var st = (kb % STAGES) * STAGE
             var sw = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()
             var win = sw.unsafe_load[width=2, alignment=8](0)
-            var sh0 = UInt32(8 * ((so0 + 2 * kb) & 3))
-            var sh1 = UInt32(8 * ((so1 + 2 * kb) & 3))
-            var sc = SIMD[DType.uint32, 4](
-                (win[0] >> sh0) & 0xFF, (win[0] >> (sh0 + 8)) & 0xFF, (win[1] >> sh1) & 0xFF, (win[1] >> (sh1 + 8)) & 0xFF
-            )
+            var sc = p2_scale_bytes(win, p2_scale_shift(so0, kb), p2_scale_shift(so1, kb))
             var big = vote[DType.uint32](sc[0] > 128 or sc[1] > 128 or sc[2] > 128 or sc[3] > 128) != 0
             var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
-            var desc0 = wgmma_desc_sw128(smem_addr + st)
             comptime for blk in range(2):
                 var m0 = p2_mults(sc[blk])
                 var m1 = p2_mults(sc[2 + blk])
-                var v0 = pk.unsafe_load[width=4, alignment=16](((u0b if blk == 1 else u0)) >> 2)
-                var v1 = pk.unsafe_load[width=4, alignment=16](((u1b if blk == 1 else u1)) >> 2)
+                var v0 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + blk) * 4)
+                var v1 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + 2 + blk) * 4)
                 comptime for s2 in range(2):
                     var frag: SIMD[DType.bfloat16, 8]
                     if big:
-                        frag = p2_frag[True](v0[2 * s2], v1[2 * s2], v0[2 * s2 + 1], v1[2 * s2 + 1], sel, m0, m1)
+                        frag = p2_step_frag[True](v0, v1, s2, sel, m0, m1)
                     else:
-                        frag = p2_frag[False](v0[2 * s2], v1[2 * s2], v0[2 * s2 + 1], v1[2 * s2 + 1], sel, m0, m1)
+                        frag = p2_step_frag[False](v0, v1, s2, sel, m0, m1)
                     wgmma_fence_aligned()
+                    var desc = wgmma_desc_sw128(smem_addr + st + 32 * (2 * blk + s2))
                     acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
-                        frag, WGMMADescriptor[DType.bfloat16](desc0 + Int64((2 * blk + s2) * 2)), acc
+                        frag, WGMMADescriptor[DType.bfloat16](desc), acc
                     )
                     wgmma_commit_group_sync()
                     wgmma_wait_group_sync[1]()
@@ -820,7 +882,7 @@ def _p2_tile[
                 if 8 * i + b < lim:
                     var p = Int(sp[unsafe_offset=8 * i + b])
                     var w = wts[unsafe_offset=p]
-                    var y = SIMD[DType.float32, 2](acc[4 * i + b] + b0, acc[4 * i + 2 + b] + b1)
+                    var y = SIMD[DType.float32, 2](acc[p2_acc_gate(i, b)] + b0, acc[p2_acc_up(i, b)] + b1)
                     partial.unsafe_store[alignment=8](p * n_rows + n, w * y)
     else:
         var inter = n_rows // 2
@@ -828,7 +890,7 @@ def _p2_tile[
         comptime for i in range(NT // 8):
             comptime for b in range(2):
                 if 8 * i + b < lim:
-                    var v = gptoss_swiglu(acc[4 * i + b] + b0, acc[4 * i + 2 + b] + b1)
+                    var v = gptoss_swiglu(acc[p2_acc_gate(i, b)] + b0, acc[p2_acc_up(i, b)] + b1)
                     hp[unsafe_offset=(8 * i + b) * inter] = v.cast[DType.bfloat16]()
 
 

@@ -1,0 +1,277 @@
+"""The p2 (wgmma) prefill GEMM's data layout, replayed on the CPU.
+
+A small Mojo program runs the kernel package's own p2 helpers (moe_prefill_gpu.mojo: the
+cp.async chunk -> shared-memory mapping of the token tile with its 128-byte swizzle, the packed
+code and scale-window staging, each thread's rows, the MXFP4 -> A-fragment decode, the wgmma
+matrix descriptors, the accumulator -> (row, token) map of the epilogue) for one block of 256
+threads over three 64-k stages, on a host array standing in for shared memory. NumPy then plays
+the tensor cores as the PTX ISA describes wgmma .m64nNk16 (B from shared memory through the
+descriptor: start address, stride byte offset, 128-byte swizzle on address bits 4-6 ^ 7-9; A
+and D in registers, per warp the mma.sync m16n8k16 fragment layout) and checks that every
+accumulator the epilogue stores is the dot product of its weight row and its token row.
+
+What this cannot check: that the hardware layouts are the documented ones (the GPU run of
+bench/moe.py --prefill does), and the pipelining (which stage is in flight when)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gptoss_max import mxfp4
+
+BM, NT, NWG, K, ROWS_VALID = 128, 64, 2, 192, 61
+THREADS, BN, NKB = 128 * NWG, 64 * NWG, K // 64
+
+PROGRAM = """
+from gptoss_kernels.moe_prefill_gpu import (
+    P2_BK, a_pair_sel, p2_acc_gate, p2_acc_up, p2_b_src, p2_mults, p2_nt_variant, p2_row0, p2_s_row,
+    p2_scale_bytes, p2_scale_shift, p2_scale_window, p2_stage_bytes, p2_step_frag, p2_x_dst, p2_x_row,
+    packed_unit, wgmma_desc_sw128,
+)
+from std.memory import bitcast
+
+comptime BM = @BM@
+comptime NT = @NT@
+comptime NWG = @NWG@
+comptime K = @K@
+comptime ROWS_VALID = @ROWS_VALID@
+comptime THREADS = 128 * NWG
+comptime BN = 64 * NWG
+comptime STAGE = p2_stage_bytes(BM, BN)
+comptime BASE = 1024
+comptime CPT = (BM * 8 + THREADS - 1) // THREADS
+
+
+def lcg(mut s: UInt64) -> UInt32:
+    s = s * 6364136223846793005 + 1442695040888963407
+    return UInt32(s >> 32)
+
+
+def ld32(m: List[UInt8], a: Int) -> UInt32:
+    return UInt32(m[a]) | (UInt32(m[a + 1]) << 8) | (UInt32(m[a + 2]) << 16) | (UInt32(m[a + 3]) << 24)
+
+
+def main() raises:
+    var s: UInt64 = 12345
+    # token rows (bf16 bits, |x| in [2^-3, 2^0)), codes, scales (some > 128: the two-multiply path)
+    var x = List[UInt16]()
+    for _ in range(NT * K):
+        x.append(UInt16((lcg(s) & 0x807F) | 0x3E00 | ((lcg(s) & 3) << 7)))
+    var codes = List[UInt8]()
+    for _ in range(BN * K // 2):
+        codes.append(UInt8(lcg(s) & 0xFF))
+    var scales = List[UInt8]()
+    for r in range(BN * K // 32):
+        var v = 112 + lcg(s) % 16
+        if r % 37 == 5:
+            v = 129 + lcg(s) % 4
+        scales.append(UInt8(v))
+    print("variant", p2_nt_variant(ROWS_VALID, BM))
+    for i in range(NT * K):
+        print("x", i, x[i])
+    for i in range(BN * K // 2):
+        print("c", i, codes[i])
+    for i in range(BN * K // 32):
+        print("s", i, scales[i])
+
+    var smem = List[UInt8](length=BASE + 4 * STAGE, fill=0)
+    for kb in range(K // P2_BK):
+        var st = BASE + (kb % 4) * STAGE
+        # cp.async roles (the kernel's _p2_issue with row0 = 0, e = 0, n0 = 0, down-style rows)
+        for tid in range(THREADS):
+            for u in range(CPT):
+                if p2_x_row(tid, u, THREADS) < NT:
+                    var r = min(p2_x_row(tid, u, THREADS), ROWS_VALID - 1)
+                    var src = r * K + (tid & 7) * 8 + kb * P2_BK
+                    for j in range(8):
+                        var v = x[src + j]
+                        smem[st + p2_x_dst(tid, u, THREADS) + 2 * j] = UInt8(v & 0xFF)
+                        smem[st + p2_x_dst(tid, u, THREADS) + 2 * j + 1] = UInt8(v >> 8)
+            var b = p2_b_src(0, BN, 0, tid, K) + kb * 32
+            for j in range(16):
+                smem[st + BM * 128 + packed_unit(tid) * 16 + j] = codes[b + j]
+            if tid < BN:
+                var w = p2_scale_window(p2_s_row(0, BN, 0, tid, K), kb)
+                for j in range(4):
+                    smem[st + BM * 128 + BN * 32 + tid * 4 + j] = scales[w + j] if w + j < BN * K // 32 else 0
+        for a in range(0, BM * 128, 64):
+            var line = String("m ", kb, " ", a)
+            for j in range(64):
+                line += " " + String(Int(smem[st + a + j]))
+            print(line)
+        # compute roles: scale bytes, the warp's vote, the A fragments, the descriptors
+        var scs = List[SIMD[DType.uint32, 4]]()
+        for tid in range(THREADS):
+            var r0 = p2_row0(tid)
+            var win = SIMD[DType.uint32, 2](ld32(smem, st + BM * 128 + BN * 32 + r0 * 4),
+                                            ld32(smem, st + BM * 128 + BN * 32 + r0 * 4 + 4))
+            var so0 = p2_s_row(0, BN, 0, r0, K)
+            var so1 = p2_s_row(0, BN, 0, r0 + 1, K)
+            scs.append(p2_scale_bytes(win, p2_scale_shift(so0, kb), p2_scale_shift(so1, kb)))
+        for tid in range(THREADS):
+            var big = False
+            for l in range(32):
+                var o = scs[(tid & ~31) + l]
+                big = big or o[0] > 128 or o[1] > 128 or o[2] > 128 or o[3] > 128
+            var r0 = p2_row0(tid)
+            var sc = scs[tid]
+            var sel = a_pair_sel(tid & 3)
+            for blk in range(2):
+                var m0 = p2_mults(sc[blk])
+                var m1 = p2_mults(sc[2 + blk])
+                var v0 = SIMD[DType.uint32, 4](0)
+                var v1 = SIMD[DType.uint32, 4](0)
+                for j in range(4):
+                    v0[j] = ld32(smem, st + BM * 128 + packed_unit(2 * r0 + blk) * 16 + 4 * j)
+                    v1[j] = ld32(smem, st + BM * 128 + packed_unit(2 * r0 + 2 + blk) * 16 + 4 * j)
+                for s2 in range(2):
+                    var f: SIMD[DType.bfloat16, 8]
+                    if big:
+                        f = p2_step_frag[True](v0, v1, s2, sel, m0, m1)
+                    else:
+                        f = p2_step_frag[False](v0, v1, s2, sel, m0, m1)
+                    var fb = bitcast[DType.uint16, 8](f)
+                    var line = String("f ", tid, " ", kb, " ", 2 * blk + s2)
+                    for j in range(8):
+                        line += " " + String(Int(fb[j]))
+                    print(line)
+        for step in range(4):
+            print("d", kb, step, wgmma_desc_sw128(st + 32 * step), st)
+    for tid in range(THREADS):
+        print("row", tid, p2_row0(tid))
+    for i in range(NT // 8):
+        for b in range(2):
+            print("acc", i, b, p2_acc_gate(i, b), p2_acc_up(i, b))
+"""
+for _k, _v in dict(BM=BM, NT=NT, NWG=NWG, K=K, ROWS_VALID=ROWS_VALID).items():
+    PROGRAM = PROGRAM.replace(f"@{_k}@", str(_v))
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> dict:
+    from mojo.run import subprocess_run_mojo
+
+    from gptoss_max.kernels import kernels_path
+
+    src = tmp_path_factory.mktemp("p2") / "probe.mojo"
+    src.write_text(PROGRAM)
+    done = subprocess_run_mojo(["run", "-I", str(kernels_path().parent), str(src)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out: dict = {}
+    for ln in done.stdout.splitlines():
+        parts = ln.split()
+        if parts:
+            out.setdefault(parts[0], []).append([int(v) for v in parts[1:]])
+    return out
+
+
+def _bf16(bits) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _swizzle128(addr: np.ndarray) -> np.ndarray:
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _b_operand(smem: np.ndarray, desc: int, n: int, swizzle=_swizzle128) -> np.ndarray:
+    """B [16 k, n] of wgmma .m64nNk16 (bf16, K-major) as the tensor cores read it."""
+    start = (desc & 0x3FFF) << 4
+    sbo = ((desc >> 32) & 0x3FFF) << 4
+    assert (desc >> 62) & 3 == 1, "descriptor swizzle mode is not 128B"
+    assert (desc >> 49) & 7 == 0, "descriptor base offset must be 0 (1024-aligned atoms)"
+    k = np.arange(16)[:, None]
+    col = np.arange(n)[None, :]
+    addr = start + (col // 8) * sbo + (col % 8) * 128 + (k // 8) * 16 + (k % 8) * 2
+    addr = swizzle(addr)
+    lo, hi = smem[addr].astype(np.uint32), smem[addr + 1].astype(np.uint32)
+    return _bf16(lo | (hi << 8))
+
+
+def _replay(probe: dict, swizzle=_swizzle128) -> tuple[np.ndarray, np.ndarray]:
+    """(D as the epilogue reads it [rows, tokens], the reference W X^T)."""
+    x = _bf16([v for _, v in sorted(probe["x"])]).reshape(NT, K)
+    codes = np.array([v for _, v in sorted(probe["c"])], dtype=np.uint8).reshape(BN, K // 32, 16)
+    scales = np.array([v for _, v in sorted(probe["s"])], dtype=np.uint8).reshape(BN, K // 32)
+    w = mxfp4.decode(codes, scales).astype(np.float64).reshape(BN, K)
+    src = np.minimum(np.arange(NT), ROWS_VALID - 1)
+    ref = w @ x[src].T
+
+    descs = {(kb, step): (d, st) for kb, step, d, st in probe["d"]}
+    frags = {(tid, kb, step): np.array(f) for tid, kb, step, *f in probe["f"]}
+    d = np.zeros((NWG, 64, NT))
+    for kb in range(NKB):
+        smem = np.zeros(1024 + 4 * 1024 * 64, dtype=np.uint8)
+        for m in probe["m"]:
+            if m[0] == kb:
+                st = descs[(kb, 0)][1]
+                smem[st + m[1] : st + m[1] + 64] = m[2:]
+        for step in range(4):
+            b = _b_operand(smem, descs[(kb, step)][0], NT, swizzle)
+            for wg in range(NWG):
+                a = np.zeros((64, 16))
+                for t in range(128):
+                    tid, warp, g, q = 128 * wg + t, t >> 5, (t & 31) >> 2, t & 3
+                    f = _bf16(frags[(tid, kb, step)])
+                    m = 16 * warp + g
+                    a[m, 2 * q : 2 * q + 2] = f[0:2]
+                    a[m + 8, 2 * q : 2 * q + 2] = f[2:4]
+                    a[m, 2 * q + 8 : 2 * q + 10] = f[4:6]
+                    a[m + 8, 2 * q + 8 : 2 * q + 10] = f[6:8]
+                d[wg] += a @ b
+    # accumulator registers (per warp the m16n8 C layout per 8 columns), then the epilogue map
+    rows = dict(probe["row"])
+    got = np.full((BN, NT), np.nan)
+    for tid in range(THREADS):
+        wg, warp, g, q = tid >> 7, (tid >> 5) & 3, (tid & 31) >> 2, tid & 3
+        acc = np.zeros(NT // 2)
+        for i in range(NT // 8):
+            for j in range(2):
+                acc[4 * i + j] = d[wg, 16 * warp + g, 8 * i + 2 * q + j]
+                acc[4 * i + 2 + j] = d[wg, 16 * warp + g + 8, 8 * i + 2 * q + j]
+        for i, bb, gate, up in probe["acc"]:
+            tok = 8 * i + 2 * q + bb
+            got[rows[tid], tok] = acc[gate]
+            got[rows[tid] + 1, tok] = acc[up]
+    return got, ref
+
+
+def test_variant_for_the_tile(probe):
+    assert probe["variant"] == [[1]]  # 61 rows of a 128-row tile run wgmma N = 64
+
+
+def test_every_quad_owns_a_gate_up_row_pair_once(probe):
+    """The 4 lanes of a quad (q = 0..3, different k) share a row pair; each
+    pair (even gate row, odd up row) belongs to one quad."""
+    row = dict(probe["row"])
+    assert all(row[t] == row[t & ~3] for t in row)
+    rows = sorted(row[t] for t in row if t % 4 == 0)
+    assert all(r % 2 == 0 for r in rows)
+    assert sorted(rows + [r + 1 for r in rows]) == list(range(BN))
+
+
+def test_token_tile_copies_cover_each_chunk_once(probe):
+    # every 16-byte chunk of the NT rows written exactly once: distinct swizzled offsets
+    offs = set()
+    for tid in range(THREADS):
+        for u in range(-(-BM * 8 // THREADS)):
+            c = tid + u * THREADS
+            if c >> 3 < NT:
+                r, cc = c >> 3, c & 7
+                offs.add(r * 128 + ((cc ^ (r & 7)) << 4))
+    assert len(offs) == NT * 8
+
+
+def test_wgmma_replay_equals_the_reference(probe):
+    got, ref = _replay(probe)
+    valid = got[:, :ROWS_VALID]
+    assert not np.isnan(valid).any()
+    err = np.abs(valid - ref[:, :ROWS_VALID]).max() / np.abs(ref).max()
+    assert err < 1e-6, err
+
+
+def test_replay_notices_a_wrong_swizzle(probe):
+    """The check can fail: reading B without the 128-byte swizzle breaks it."""
+    got, ref = _replay(probe, swizzle=lambda a: a)
+    err = np.abs(got[:, :ROWS_VALID] - ref[:, :ROWS_VALID]).max() / np.abs(ref).max()
+    assert err > 1e-2
