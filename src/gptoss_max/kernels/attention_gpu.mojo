@@ -20,10 +20,15 @@
 # Scores are kept in base 2 (q is pre-scaled by scale * log2(e), sinks by
 # log2(e)), so every exponential is one exp2.
 
-from max.gpu import block_idx, lane_id, warp_id
+from max.gpu import barrier, block_idx, lane_id, thread_idx, warp_id
+from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
+from max.gpu.intrinsics import byte_permute
+from max.gpu.memory import AddressSpace
 from max.gpu.primitives.warp import shuffle_xor
+from std.collections import Array
 from std.math import exp2
+from std.memory import bitcast, stack_allocation
 
 comptime SPLIT_TOKENS = 16
 comptime LOG2E: Float32 = 1.4426950408889634
@@ -60,6 +65,33 @@ def _warp_sum(v: Float32) -> Float32:
     comptime for i in range(5):
         r += shuffle_xor(r, UInt32(16 >> i))
     return r
+
+
+@always_inline
+def _key_range(
+    offs: Pointer[UInt32, ImmutAnyOrigin],
+    lens: Pointer[UInt32, ImmutAnyOrigin],
+    batch: Int,
+    t: Int,
+    win: Int,
+    splits: Int,
+    s: Int,
+) -> Tuple[Int, Int, Int]:
+    """(sequence b of row t, first key j0, end j1) of split s of row t's key
+    range [first, pos]: the range cut into `splits` equal stripes."""
+    var lo = 0
+    var hi = batch
+    while hi - lo > 1:
+        var mid = (lo + hi) >> 1
+        if Int(offs[unsafe_offset=mid]) <= t:
+            lo = mid
+        else:
+            hi = mid
+    var pos = Int(lens[unsafe_offset=lo]) + t - Int(offs[unsafe_offset=lo])
+    var first = max(pos - win + 1, 0) if win > 0 else 0
+    var stripe = (pos + 1 - first + splits - 1) // splits
+    var j0 = first + s * stripe
+    return (lo, j0, min(j0 + stripe, pos + 1))
 
 
 @always_inline
@@ -104,23 +136,10 @@ def attention_split_kernel[
     var h = Int(block_idx.z) * Int(hpb_) + Int(warp_id())
     var lane = Int(lane_id())
 
-    # The sequence of row t: the last b with offs[b] <= t.
-    var lo = 0
-    var hi = batch
-    while hi - lo > 1:
-        var mid = (lo + hi) >> 1
-        if Int(offs[unsafe_offset=mid]) <= t:
-            lo = mid
-        else:
-            hi = mid
-    var b = lo
-    var pos = Int(lens[unsafe_offset=b]) + t - Int(offs[unsafe_offset=b])
-    var win = Int(window_)
-    var first = max(pos - win + 1, 0) if win > 0 else 0
-    var n_keys = pos + 1 - first
-    var stripe = (n_keys + splits - 1) // splits
-    var j0 = first + s * stripe
-    var j1 = min(j0 + stripe, pos + 1)
+    var kr = _key_range(offs, lens, batch, t, Int(window_), splits, s)
+    var b = kr[0]
+    var j0 = kr[1]
+    var j1 = kr[2]
 
     var qv = q.unsafe_offset((t * n_heads + h) * D).unsafe_load[width=D, alignment=16]().cast[
         DType.float32
@@ -185,6 +204,196 @@ def attention_split_kernel[
         row.unsafe_store[alignment=8](acc)
         row[unsafe_offset=D] = mw
         row[unsafe_offset=D + 1] = lw
+
+
+# ---------------------------------------------------------------- tensor cores
+#
+# attention_tc_kernel (bf16, head_dim 64, 8 query heads per KV head): one
+# block per (token, split, KV head), TC_WARPS warps taking 16-key chunks of the
+# split in turn. Per chunk a warp runs mma.sync m16n8k16 with the 8 query
+# heads as rows 0..7 of M (rows 8..15 zero):
+#   S = Q K^T: 2 groups of 8 keys x 4 k-steps of 16 dims. Lane (g, q) feeds
+#       B from key g's row and A from head g's row, both at dim pairs
+#       8q .. 8q+7 (a consistent permutation of the dims: a dot product does
+#       not care), so each lane reads 32 contiguous bytes per row.
+#   P V: P (the C fragments of S, rescaled, as bf16) is A directly (the
+#       C -> A layout identity of m16n8k16); B for n-tile j holds dim 8g + j
+#       of V for keys 2q, 2q+1, 2q+8, 2q+9: each lane reads 16 contiguous
+#       bytes of those 4 V rows and pairs them with prmt. The output's dims
+#       come out in that order and are put back on the way out.
+# The warps then merge through shared memory, and the block finishes the
+# softmax with the sink (one split) or writes its partial for
+# attention_merge_kernel, exactly as attention_split_kernel does.
+
+# Decode steps of bf16 gpt-oss shapes (head_dim 64, 8 query heads per KV
+# head) take the tensor-core kernel; others the CUDA-core one above.
+comptime USE_TENSOR_CORES = True
+comptime TC_WARPS = 4
+comptime TC_HEADS = 8
+comptime TC_DIM = 64
+
+
+@always_inline
+def _quad_max(v: Float32) -> Float32:
+    var r = max(v, shuffle_xor(v, UInt32(1)))
+    return max(r, shuffle_xor(r, UInt32(2)))
+
+
+@always_inline
+def _quad_sum(v: Float32) -> Float32:
+    var r = v + shuffle_xor(v, UInt32(1))
+    return r + shuffle_xor(r, UInt32(2))
+
+
+@always_inline
+def _pack_bf16(a: Float32, b: Float32) -> UInt32:
+    return bitcast[DType.uint32, 1](SIMD[DType.float32, 2](a, b).cast[DType.bfloat16]())
+
+
+def attention_tc_kernel[
+    sink_dtype: DType
+](
+    output: Pointer[BFloat16, MutAnyOrigin],
+    scratch: Pointer[Float32, MutAnyOrigin],
+    q: Pointer[BFloat16, ImmutAnyOrigin],
+    offs: Pointer[UInt32, ImmutAnyOrigin],
+    kv: Pointer[BFloat16, MutAnyOrigin],
+    lens: Pointer[UInt32, ImmutAnyOrigin],
+    table: Pointer[UInt32, ImmutAnyOrigin],
+    sinks: Pointer[Scalar[sink_dtype], ImmutAnyOrigin],
+    batch_: Int64,
+    max_pages_: Int64,
+    n_heads_: Int64,
+    page_size_: Int64,
+    slot_elems_: Int64,
+    page_elems_: Int64,
+    k_base_: Int64,
+    v_base_: Int64,
+    window_: Int64,
+    splits_: Int64,
+    scale: Float32,
+):
+    comptime D = TC_DIM
+    var n_heads = Int(n_heads_)
+    var page_size = Int(page_size_)
+    var page_elems = Int(page_elems_)
+    var slot_elems = Int(slot_elems_)
+    var k_base = Int(k_base_)
+    var v_base = Int(v_base_)
+    var splits = Int(splits_)
+    var t = Int(block_idx.x)
+    var s = Int(block_idx.y)
+    var kvh = Int(block_idx.z)
+    var w = Int(warp_id())
+    var lane = Int(lane_id())
+    var g = lane >> 2
+    var q4 = lane & 3
+    var kr = _key_range(offs, lens, Int(batch_), t, Int(window_), splits, s)
+    var j0 = kr[1]
+    var j1 = kr[2]
+    var trow = table.unsafe_offset(kr[0] * Int(max_pages_))
+    var head_off = kvh * D
+    var h = kvh * TC_HEADS + g
+
+    # Q (head g), dim pairs 8 q4 .. 8 q4 + 7.
+    var qw = q.unsafe_offset((t * n_heads + h) * D + 16 * q4).unsafe_bitcast[UInt32]()
+    var qa = SIMD[DType.uint32, 8](0)
+    qa = qa.insert[offset=0](qw.unsafe_load[width=4, alignment=16](0))
+    qa = qa.insert[offset=4](qw.unsafe_load[width=4, alignment=16](4))
+    var sl = scale * LOG2E
+
+    var m = NEG_BIG
+    var l: Float32 = 0
+    var acc = Array[SIMD[DType.float32, 4], 8](fill=SIMD[DType.float32, 4](0))
+    var kbase = j0 + 16 * w
+    while kbase < j1:
+        # Scores of keys kbase + 8 grp + 2 q4 + {0, 1} for head g.
+        var sc = SIMD[DType.float32, 4](NEG_BIG)
+        comptime for grp in range(2):
+            var key = kbase + 8 * grp + g
+            var kw = SIMD[DType.uint32, 8](0)
+            if key < j1:
+                var kp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + k_base)
+                var kwp = kp.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
+                kw = kw.insert[offset=0](kwp.unsafe_load[width=4, alignment=16](0))
+                kw = kw.insert[offset=4](kwp.unsafe_load[width=4, alignment=16](4))
+            var sacc = SIMD[DType.float32, 4](0)
+            comptime for ks in range(4):
+                var a = bitcast[DType.bfloat16, 8](SIMD[DType.uint32, 4](qa[2 * ks], 0, qa[2 * ks + 1], 0))
+                var bb = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](kw[2 * ks], kw[2 * ks + 1]))
+                mma(sacc, a, bb, sacc)
+            comptime for i in range(2):
+                if kbase + 8 * grp + 2 * q4 + i < j1:
+                    sc[2 * grp + i] = sacc[i] * sl
+        var m_new = max(m, _quad_max(sc.reduce_max()))
+        var corr = exp2(m - m_new)
+        m = m_new
+        var p = SIMD[DType.float32, 4](0)
+        comptime for i in range(4):
+            p[i] = exp2(sc[i] - m)
+        l = l * corr + p.reduce_add()
+        # P as the A fragment: keys 2 q4, 2 q4 + 1 (group 0), 8 + 2 q4, 9 + 2 q4 (group 1).
+        var pa = bitcast[DType.bfloat16, 8](
+            SIMD[DType.uint32, 4](_pack_bf16(p[0], p[1]), 0, _pack_bf16(p[2], p[3]), 0)
+        )
+        # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7.
+        var vr = Array[SIMD[DType.uint32, 4], 4](fill=SIMD[DType.uint32, 4](0))
+        comptime for i in range(4):
+            var key = kbase + 2 * q4 + (i & 1) + 8 * (i >> 1)
+            if key < j1:
+                var vp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + v_base)
+                vr[i] = vp.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
+        comptime for j in range(8):
+            comptime sel = UInt32(0x5410 if j % 2 == 0 else 0x7632)
+            var b01 = byte_permute(vr[0][j // 2], vr[1][j // 2], sel)
+            var b23 = byte_permute(vr[2][j // 2], vr[3][j // 2], sel)
+            var bb = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](b01, b23))
+            var cj = acc[j] * corr
+            mma(cj, pa, bb, cj)
+            acc[j] = cj
+        kbase += 16 * TC_WARPS
+
+    # Merge the warps: per head g, (m, l) and acc[j][0..1] = dims 8 (2 q4 + i) + j.
+    var sm = stack_allocation[TC_WARPS * TC_HEADS * 2, Float32, address_space=AddressSpace.SHARED]()
+    var so = stack_allocation[TC_WARPS * TC_HEADS * D, Float32, address_space=AddressSpace.SHARED]()
+    var lq = _quad_sum(l)
+    if q4 == 0:
+        sm[unsafe_offset=(w * TC_HEADS + g) * 2] = m
+        sm[unsafe_offset=(w * TC_HEADS + g) * 2 + 1] = lq
+    comptime for j in range(8):
+        comptime for i in range(2):
+            so[unsafe_offset=(w * TC_HEADS + g) * D + 8 * (2 * q4 + i) + j] = acc[j][i]
+    barrier()
+    # Thread x of the block: head x // 16 ... one thread per (head, 4 dims).
+    var tid = Int(thread_idx.x)
+    var hh = tid // 16
+    var d0 = (tid % 16) * 4
+    var mg = NEG_BIG
+    comptime for ww in range(TC_WARPS):
+        mg = max(mg, sm[unsafe_offset=(ww * TC_HEADS + hh) * 2])
+    var lsum: Float32 = 0
+    var o = SIMD[DType.float32, 4](0)
+    comptime for ww in range(TC_WARPS):
+        var f = exp2(sm[unsafe_offset=(ww * TC_HEADS + hh) * 2] - mg)
+        lsum += sm[unsafe_offset=(ww * TC_HEADS + hh) * 2 + 1] * f
+        comptime for i in range(4):
+            o[i] += so[unsafe_offset=(ww * TC_HEADS + hh) * D + d0 + i] * f
+    var head = kvh * TC_HEADS + hh
+    if splits == 1:
+        var sink = sinks[unsafe_offset=head].cast[DType.float32]() * LOG2E
+        var mt = max(mg, sink)
+        var f = exp2(mg - mt)
+        var inv = f / (lsum * f + exp2(sink - mt))
+        output.unsafe_offset((t * n_heads + head) * D + d0).unsafe_store[alignment=8](
+            (o * inv).cast[DType.bfloat16]()
+        )
+        return
+    var row = scratch.unsafe_offset(((t * splits + s) * n_heads + head) * (D + 2))
+    comptime for i in range(4):
+        row[unsafe_offset=d0 + i] = o[i]
+    if d0 == 0:
+        row[unsafe_offset=D] = mg
+        row[unsafe_offset=D + 1] = lsum
 
 
 def attention_merge_kernel[
@@ -258,6 +467,23 @@ def launch_attention[
     var splits = n_splits(tokens)
     if splits > 1 and tokens * splits > scratch_rows:
         raise Error("gptoss_attention_with_sinks: scratch too small for the key splits")
+    comptime if USE_TENSOR_CORES and dtype == DType.bfloat16 and head_dim == TC_DIM:
+        if group == TC_HEADS:
+            ctx.enqueue_function[attention_tc_kernel[sink_dtype]](
+                output.unsafe_bitcast[BFloat16](), scratch, q.unsafe_bitcast[BFloat16](), offs,
+                kv.unsafe_bitcast[BFloat16](), lens, table, sinks,
+                Int64(batch), Int64(max_pages), Int64(n_heads), Int64(page_size), Int64(slot_elems),
+                Int64(page_elems), Int64(k_base), Int64(v_base), Int64(window), Int64(splits), scale,
+                grid_dim=(tokens, splits, n_heads // TC_HEADS),
+                block_dim=TC_WARPS * 32,
+            )
+            if splits > 1:
+                ctx.enqueue_function[attention_merge_kernel[dtype, sink_dtype, head_dim]](
+                    output, scratch, sinks, Int64(n_heads), Int64(splits),
+                    grid_dim=(tokens, n_heads),
+                    block_dim=32,
+                )
+            return
     var hpb = heads_per_block(group)
     ctx.enqueue_function[attention_split_kernel[dtype, sink_dtype, head_dim]](
         output, scratch, q, offs, kv, lens, table, sinks,
