@@ -567,7 +567,8 @@ def wgmma_desc_sw128(addr: Int) -> Int64:
     (bits 16-29, unused by swizzled K-major), stride byte offset 1024 >> 4 =
     64 (bits 32-45: the next 8-row atom), base offset 0, swizzle mode 1 =
     128B (bits 62-63)."""
-    return Int64((addr & 0x3FFFF) >> 4) | (Int64(1) << 16) | (Int64(64) << 32) | (Int64(1) << 62)
+    var lo = ((UInt32(addr) & 0x3FFFF) >> 4) | (UInt32(1) << 16)  # 32-bit math: the high word is constant
+    return Int64(lo) | (Int64(64) << 32) | (Int64(1) << 62)
 
 
 @always_inline
