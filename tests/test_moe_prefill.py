@@ -44,6 +44,8 @@ def main() raises:
     except:
         p2_small = -9
     print("choice_k96", prefill_choice(64, 4, 8, 96, 96, 2), p2_small)
+    print("choice_auto", prefill_choice(512, 4, 8, 96, 96, 0), prefill_choice(8192, 4, 128, 2880, 2880, 0),
+          prefill_choice(512, 4, 128, 2880, 2880, 0), prefill_choice(16384, 4, 128, 2880, 2880, 0))
     for i in range(64):
         print("slot", i, h_slot(i))
     var s: UInt64 = 7
@@ -117,6 +119,9 @@ def test_path_choice(lines) -> None:
     assert small == -1 and real >= 0
     p1_k96, p2_k96 = map(int, _rows(lines, "choice_k96")[0])
     assert p1_k96 == 0 and p2_k96 == -9
+    # auto: the measured p2 configs on gpt-oss shapes, p1 where K is not in 64-element stages
+    k96, mid, low, high = map(int, _rows(lines, "choice_auto")[0])
+    assert (k96, mid, low, high) == (4, 5, 7, 6)
 
 
 def test_bench_sweeps_every_config(lines) -> None:

@@ -114,11 +114,15 @@ def cfg_stages(c: Int) -> Int:
 
 def auto_config(pairs_per_expert: Int) -> Int:
     """Tile configuration for a mean load of routed pairs per expert: the
-    H100 sweep's best, 32 x 128 (c4) up to 256 pairs per expert (120b at
-    T <= 8192, 20b at T <= 2048), 128 x 128 (c0) from 512."""
+    H100 sweep's best (bench/results/moe_prefill_h100_20261121_p2.json):
+    p2 64-token tiles (c7) below 32 pairs per expert (120b T = 512: 76
+    TFLOP/s), p2 128 x 128 (c5) below 512 (208-301), p2 256 x 128 (c6)
+    from 512 (327-363). The p1 configs (c0..c4) stay selectable by path."""
     if pairs_per_expert >= 512:
-        return 0
-    return 4
+        return 6
+    if pairs_per_expert >= 32:
+        return 5
+    return 7
 
 
 def meta_words(n_pairs: Int, n_experts: Int) -> Int:
@@ -159,7 +163,11 @@ def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: 
     var n_pairs = tokens * top_k
     if not ok or n_pairs < PREFILL_MIN_PAIRS_PER_EXPERT * n_experts or n_pairs < PREFILL_MIN_PAIRS:
         return -1
-    return auto_config(tokens * top_k // n_experts)
+    var c = auto_config(tokens * top_k // n_experts)
+    if cfg_wgmma(c) and not p2_feasible(hidden, inter):
+        # K not in whole 64-element stages: p1's best at that load
+        return 0 if tokens * top_k // n_experts >= 512 else 4
+    return c
 
 
 @always_inline
