@@ -38,7 +38,7 @@ from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import byte_permute, threadfence
-from max.gpu.memory import AddressSpace
+from max.gpu.memory import AddressSpace, CacheEviction, load
 from max.gpu.primitives.warp import shuffle_xor, vote
 from max.gpu.sync import syncwarp
 from std.atomic import Atomic
@@ -241,10 +241,12 @@ def _load_batch[
     comptime for u in range(UNROLL):
         comptime i = 2 * (slot * UNROLL + u)
         var c = min(4 * (batch * UNROLL + u) + q, nchunks - 1)
-        wv[i] = w_g.unsafe_load[width=4, alignment=16](c * 4)
-        wv[i + 1] = w_g8.unsafe_load[width=4, alignment=16](c * 4)
-        sv[i] = UInt32(s_g[unsafe_offset=c])
-        sv[i + 1] = UInt32(s_g8[unsafe_offset=c])
+        # Streamed once: kept out of L1, which holds the activations.
+        comptime na = CacheEviction.NO_ALLOCATE
+        wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + c * 4)
+        wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + c * 4)
+        sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + c))
+        sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + c))
 
 
 @always_inline
@@ -255,27 +257,18 @@ def _mma_batch[
     sv: Array[UInt32, RING],
     mut acc0: SIMD[DType.float32, 4],
     mut acc1: SIMD[DType.float32, 4],
-    nchunks: Int,
-    batch: Int,
-    q: Int,
-    brow: Pointer[UInt32, _],
-    lo_off: Int,
+    bfrag: Tuple[SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]],
 ):
-    """Multiply-accumulate one loaded batch: weights are mma's A (rows g and
-    g + 8 of the 16-row tile), the token activations its B (token g; a lane
-    without a token reads some token's row: its D column is never stored)."""
+    """Multiply-accumulate one loaded batch (UNROLL = 1 block per row):
+    weights are mma's A (rows g and g + 8 of the 16-row tile), the token
+    activations its B (bfrag, token g: see _load_b)."""
     comptime split = amode == A_F32 or amode == A_WORDS_SPLIT
     comptime for u in range(UNROLL):
         comptime i = 2 * (slot * UNROLL + u)
-        var c = 4 * (batch * UNROLL + u) + q
         var pg = _decode_block[big](wv[i], sv[i])
         var pg8 = _decode_block[big](wv[i + 1], sv[i + 1])
-        var bhi = SIMD[DType.uint32, 16](0)
-        var blo = SIMD[DType.uint32, 16](0)
-        if c < nchunks:
-            var b2 = _load_a[amode](brow, lo_off, c)
-            bhi = b2[0]
-            blo = b2[1]
+        var bhi = bfrag[0]
+        var blo = bfrag[1]
         comptime for t in range(8):
             var a = bitcast[DType.bfloat16, 8](
                 SIMD[DType.uint32, 4](pg[2 * t], pg8[2 * t], pg[2 * t + 1], pg8[2 * t + 1])
@@ -291,6 +284,21 @@ def _mma_batch[
                     mma(acc1, a, bl, acc1)
                 else:
                     mma(acc0, a, bl, acc0)
+
+
+@always_inline
+def _load_b[
+    amode: Int
+](brow: Pointer[UInt32, _], lo_off: Int, nchunks: Int, batch: Int, q: Int) -> Tuple[
+    SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]
+]:
+    """The B fragment of a batch: token g's activations of block 4 * batch + q
+    in decode order (zero past the last block; a lane without a token reads
+    some token's row: its D column is never stored)."""
+    var c = 4 * batch + q
+    if c < nchunks:
+        return _load_a[amode](brow, lo_off, c)
+    return (SIMD[DType.uint32, 16](0), SIMD[DType.uint32, 16](0))
 
 
 @always_inline
@@ -327,19 +335,24 @@ def _tile_loop[
     lo_off: Int,
 ) -> SIMD[DType.float32, 4]:
     """_tile16's batches through a ring of DEPTH slots, batches 0 .. DEPTH-2
-    already in flight: each step issues the loads DEPTH - 1 batches ahead,
-    then decodes and multiplies the oldest."""
+    already in flight: each step issues the weight loads DEPTH - 1 batches
+    ahead and the activations one batch ahead, then decodes and multiplies
+    the oldest."""
     var q = Int(lane_id()) & 3
     var nb = (nchunks + 4 * UNROLL - 1) // (4 * UNROLL)
     var acc0 = SIMD[DType.float32, 4](0)
     var acc1 = SIMD[DType.float32, 4](0)
+    var bcur = _load_b[amode](brow, lo_off, nchunks, 0, q)
     var bt = 0
     while bt < nb:
         comptime for i in range(DEPTH):
             if bt + i < nb:
                 if bt + i + DEPTH - 1 < nb:
                     _load_batch[(i + DEPTH - 1) % DEPTH](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, bt + i + DEPTH - 1, q)
-                _mma_batch[amode, big, i](wv, sv, acc0, acc1, nchunks, bt + i, q, brow, lo_off)
+                # the activations one batch ahead (L1 hits mostly)
+                var bnext = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
+                _mma_batch[amode, big, i](wv, sv, acc0, acc1, bcur)
+                bcur = bnext
         bt += DEPTH
     return acc0 + acc1
 
