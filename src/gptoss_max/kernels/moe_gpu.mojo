@@ -34,7 +34,7 @@
 # block for the next chunk) sums them over k in a fixed order and writes the
 # output: deterministic, no float atomics.
 
-from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import byte_permute, threadfence
@@ -45,6 +45,7 @@ from std.atomic import Atomic
 from std.bit import pop_count, count_trailing_zeros
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
+from std.utils.static_tuple import StaticTuple
 
 from .moe_common import gptoss_swiglu
 
@@ -52,13 +53,17 @@ from .moe_common import gptoss_swiglu
 # blocks keep the bytes per SM even; with more, blocks share the routing.
 comptime FEW_TOKENS = 2
 comptime GATE_UP_WARPS_FEW = 2
-comptime DOWN_WARPS_FEW = 1
+comptime DOWN_WARPS_FEW = 2
+comptime DOWN_KSPLIT_FEW = 2  # both warps of a few-token down block share one tile
 comptime WARPS_MANY = 4
+# Resident warps per SM the register budget is held to (ptxas: <= 170 registers):
+# a one-token step's 1440 gate_up / down warps then run in one wave on 132 SMs.
+comptime MIN_WARPS_PER_SM = 12
 # Counters are sized for the smallest down tile (8 rows).
 comptime COUNTER_TILE_ROWS = 8
 comptime TOK_PASS = 8
 comptime UNROLL = 1  # 16-byte blocks per lane and row per batch
-comptime DEPTH = 4  # batches in the ring: DEPTH - 1 in flight while one is decoded
+comptime DEPTH = 4  # batches in the ring: DEPTH - 1 in flight while one is decoded (even)
 comptime RING = 2 * UNROLL * DEPTH
 comptime CHUNK_TOKENS = 64
 comptime MAX_TOPK = 4
@@ -342,17 +347,20 @@ def _tile_loop[
     var nb = (nchunks + 4 * UNROLL - 1) // (4 * UNROLL)
     var acc0 = SIMD[DType.float32, 4](0)
     var acc1 = SIMD[DType.float32, 4](0)
-    var bcur = _load_b[amode](brow, lo_off, nchunks, 0, q)
+    # the activations one batch ahead (L1 hits mostly), in two slots
+    # (DEPTH is even, so slot i % 2 holds batch bt + i)
+    var bring = Array[Tuple[SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]], 2](
+        fill=(SIMD[DType.uint32, 16](0), SIMD[DType.uint32, 16](0))
+    )
+    bring[0] = _load_b[amode](brow, lo_off, nchunks, 0, q)
     var bt = 0
     while bt < nb:
         comptime for i in range(DEPTH):
             if bt + i < nb:
                 if bt + i + DEPTH - 1 < nb:
                     _load_batch[(i + DEPTH - 1) % DEPTH](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, bt + i + DEPTH - 1, q)
-                # the activations one batch ahead (L1 hits mostly)
-                var bnext = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
-                _mma_batch[amode, big, i](wv, sv, acc0, acc1, bcur)
-                bcur = bnext
+                bring[(i + 1) % 2] = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
+                _mma_batch[amode, big, i](wv, sv, acc0, acc1, bring[i % 2])
         bt += DEPTH
     return acc0 + acc1
 
@@ -392,6 +400,8 @@ def _tile16[
     return _tile_loop[amode, False](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, brow, lo_off)
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MIN_WARPS_PER_SM // warps))
 def gate_up_kernel[
     x_dtype: DType, warps: Int
 ](
@@ -477,8 +487,10 @@ def gate_up_kernel[
         first += TOK_PASS
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MIN_WARPS_PER_SM // warps))
 def down_kernel[
-    out_dtype: DType, warps: Int
+    out_dtype: DType, warps: Int, ksplit: Int
 ](
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
     partial: Pointer[Float32, MutAnyOrigin],
@@ -496,15 +508,18 @@ def down_kernel[
     inter_: Int64,
 ):
     """output [T, H], partial [pairs, H] f32 scratch, h [pairs, I] f32;
-    counters: one per tile of warps * 16 rows."""
+    counters: one per block's tile of warps / ksplit * 16 rows. ksplit warps
+    share each 16-row tile, each over its part of I (more warps in flight
+    for few tokens); the first adds the others' fragments."""
     var n_pairs = Int(n_pairs_)
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
     var hidden = Int(hidden_)
     var inter = Int(inter_)
     comptime threads = warps * 32
-    comptime tile_rows = warps * 16
+    comptime tile_rows = warps // ksplit * 16
     comptime split = out_dtype != DType.bfloat16
+    var red = stack_allocation[warps * 32 * 4, Float32, address_space=AddressSpace.SHARED]()
     var plists = stack_allocation[warps * MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
     var plist = plists + Int(warp_id()) * MAX_PAIRS
     var last = stack_allocation[1, Int32, address_space=AddressSpace.SHARED]()
@@ -527,7 +542,10 @@ def down_kernel[
         return
     var npairs_e = Int(rt[2])
     var nchunks = inter // 32
-    var r0 = rbase + Int(warp_id()) * 16
+    var kw = Int(warp_id()) % ksplit
+    var kc0 = nchunks * kw // ksplit
+    var nloc = nchunks * (kw + 1) // ksplit - kc0
+    var r0 = rbase + Int(warp_id()) // ksplit * 16
     var lane = Int(lane_id())
     var g = lane >> 2
     var q = lane & 3
@@ -546,9 +564,23 @@ def down_kernel[
         var has_tok = first + g < npairs_e
         var p = Int(plist[first + g]) if has_tok else 0
         # row p of h: I f32 = I/2 hi pair words, then I/2 lo pair words
-        var hrow = hw.unsafe_offset(p * inter)
+        var hrow = hw.unsafe_offset(p * inter + kc0 * 16)
         comptime amode = A_WORDS_SPLIT if split else A_WORDS
-        var acc = _tile16[amode](w_a, w_b, s_a, s_b, s_tile, min(16, hidden - r0), nchunks, hrow, inter // 2)
+        var acc = _tile16[amode](
+            w_a + kc0 * 4, w_b + kc0 * 4, s_a + kc0, s_b + kc0, s_tile, min(16, hidden - r0), nloc, hrow, inter // 2
+        )
+        comptime if ksplit > 1:
+            var mine = red + (Int(warp_id()) * 32 + lane) * 4
+            if kw != 0:
+                mine.unsafe_store[width=4, alignment=16](0, acc)
+            barrier()
+            if kw == 0:
+                comptime for j in range(1, ksplit):
+                    acc += (mine + j * 128).unsafe_load[width=4, alignment=16](0)
+            barrier()
+        if kw != 0:
+            first += TOK_PASS
+            continue
         comptime for z in range(2):
             var slot_t = first + 2 * q + z
             if slot_t < npairs_e:
@@ -653,7 +685,7 @@ def launch_gate_up[
 
 
 def _launch_down[
-    out_dtype: DType, warps: Int
+    out_dtype: DType, warps: Int, ksplit: Int
 ](
     ctx: DeviceContext,
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
@@ -672,10 +704,10 @@ def _launch_down[
     inter: Int,
 ) raises:
     var n_pairs = tokens * top_k
-    ctx.enqueue_function[down_kernel[out_dtype, warps]](
+    ctx.enqueue_function[down_kernel[out_dtype, warps, ksplit]](
         output, partial, counters, h, ids, wts, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
-        grid_dim=((hidden + warps * 16 - 1) // (warps * 16), min(n_experts, n_pairs)),
+        grid_dim=((hidden + warps // ksplit * 16 - 1) // (warps // ksplit * 16), min(n_experts, n_pairs)),
         block_dim=warps * 32,
     )
 
@@ -705,12 +737,12 @@ def launch_down[
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0")
     if tokens <= FEW_TOKENS:
-        _launch_down[out_dtype, DOWN_WARPS_FEW](
+        _launch_down[out_dtype, DOWN_WARPS_FEW, DOWN_KSPLIT_FEW](
             ctx, output, partial, counters, h, ids, wts, blocks, scales, bias,
             tokens, top_k, n_experts, hidden, inter,
         )
     else:
-        _launch_down[out_dtype, WARPS_MANY](
+        _launch_down[out_dtype, WARPS_MANY, 1](
             ctx, output, partial, counters, h, ids, wts, blocks, scales, bias,
             tokens, top_k, n_experts, hidden, inter,
         )
