@@ -34,16 +34,18 @@
 # block for the next chunk) sums them over k in a fixed order and writes the
 # output: deterministic, no float atomics.
 
-from max.gpu import thread_idx, block_idx, barrier, lane_id, warp_id
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import byte_permute, threadfence
-from max.gpu.memory import AddressSpace
-from max.gpu.primitives.warp import vote
+from max.gpu.memory import AddressSpace, CacheEviction, load
+from max.gpu.primitives.warp import shuffle_xor, vote
+from max.gpu.sync import syncwarp
 from std.atomic import Atomic
 from std.bit import pop_count, count_trailing_zeros
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
+from std.utils.static_tuple import StaticTuple
 
 from .moe_common import gptoss_swiglu
 
@@ -51,12 +53,18 @@ from .moe_common import gptoss_swiglu
 # blocks keep the bytes per SM even; with more, blocks share the routing.
 comptime FEW_TOKENS = 2
 comptime GATE_UP_WARPS_FEW = 2
-comptime DOWN_WARPS_FEW = 1
+comptime DOWN_WARPS_FEW = 2
+comptime DOWN_KSPLIT_FEW = 2  # both warps of a few-token down block share one tile
 comptime WARPS_MANY = 4
+# Resident warps per SM the register budget is held to (ptxas: <= 170 registers):
+# a one-token step's 1440 gate_up / down warps then run in one wave on 132 SMs.
+comptime MIN_WARPS_PER_SM = 12
 # Counters are sized for the smallest down tile (8 rows).
 comptime COUNTER_TILE_ROWS = 8
 comptime TOK_PASS = 8
-comptime UNROLL = 6
+comptime UNROLL = 1  # 16-byte blocks per lane and row per batch
+comptime DEPTH = 4  # batches in the ring: DEPTH - 1 in flight while one is decoded (even)
+comptime RING = 2 * UNROLL * DEPTH
 comptime CHUNK_TOKENS = 64
 comptime MAX_TOPK = 4
 comptime MAX_PAIRS = CHUNK_TOKENS * MAX_TOPK
@@ -89,58 +97,58 @@ def _decode_pair(v: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
 
 
 @always_inline
-def _route[
-    threads: Int
-](
+def _route_warp(
     ids: Pointer[Int32, _],
     n_pairs: Int,
     n_experts: Int,
     slot: Int,
-    flags: Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     plist: Pointer[Int32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    meta: Pointer[Int32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-):
-    """Block-wide: meta[0] = the slot-th routed expert (ascending id) or -1,
-    meta[1] = routed experts in all, meta[2] = its pairs; plist = the pair
-    indices t * K + k routed to it, ascending."""
-    var tid = Int(thread_idx.x)
-    for i in range(tid, n_experts, threads):
-        flags[i] = 0
-    barrier()
-    for p in range(tid, n_pairs, threads):
-        var e = Int(ids[unsafe_offset=p])
-        if e >= 0 and e < n_experts:
-            flags[e] = 1
-    barrier()
-    if warp_id() == 0:
-        var lane = Int(lane_id())
-        var below = (UInt32(1) << UInt32(lane)) - 1
-        var count = 0
-        var found = -1
-        for base in range(0, n_experts, 32):
-            var i = base + lane
-            var f = i < n_experts and flags[i] != 0
-            var m = vote[DType.uint32](f)
+) -> SIMD[DType.int32, 4]:
+    """Warp-wide, from one load of the ids per lane and no block barrier:
+    [the slot-th routed expert (ascending id) or -1, routed experts in all,
+    its pairs, 0]; plist (this warp's own) = the pair indices t * K + k
+    routed to it, ascending."""
+    var lane = Int(lane_id())
+    var below = (UInt32(1) << UInt32(lane)) - 1
+    comptime NJ = MAX_PAIRS // 32
+    comptime NW = MAX_EXPERTS // 32
+    var mine = SIMD[DType.int32, NJ](-1)
+    var words = SIMD[DType.uint32, NW](0)
+    comptime for j in range(NJ):
+        if 32 * j < n_pairs:
+            var p = 32 * j + lane
+            if p < n_pairs:
+                var e = ids[unsafe_offset=p]
+                if e >= 0 and Int(e) < n_experts:
+                    mine[j] = e
+                    var bit = UInt32(1) << UInt32(e & 31)
+                    comptime for w in range(NW):
+                        if Int(e >> 5) == w:
+                            words[w] |= bit
+    var nwords = (n_experts + 31) // 32
+    var count = 0
+    var found = -1
+    comptime for w in range(NW):
+        if w < nwords:
+            var m = words[w]
+            comptime for i in range(5):
+                m |= shuffle_xor(m, UInt32(16 >> i))
             var pc = Int(pop_count(m))
             if found < 0 and slot < count + pc:
-                var hit = f and Int(pop_count(m & below)) == slot - count
-                var mh = vote[DType.uint32](hit)
-                found = base + Int(count_trailing_zeros(mh))
+                var hit = ((m >> UInt32(lane)) & 1) != 0 and Int(pop_count(m & below)) == slot - count
+                found = 32 * w + Int(count_trailing_zeros(vote[DType.uint32](hit)))
             count += pc
-        var n = 0
-        if found >= 0:
-            for base in range(0, n_pairs, 32):
-                var p = base + lane
-                var hit_p = p < n_pairs and Int(ids[unsafe_offset=p]) == found
+    var n = 0
+    if found >= 0:
+        comptime for j in range(NJ):
+            if 32 * j < n_pairs:
+                var hit_p = Int(mine[j]) == found
                 var m = vote[DType.uint32](hit_p)
                 if hit_p:
-                    plist[n + Int(pop_count(m & below))] = Int32(p)
+                    plist[n + Int(pop_count(m & below))] = Int32(32 * j + lane)
                 n += Int(pop_count(m))
-        if lane == 0:
-            meta[0] = Int32(found)
-            meta[1] = Int32(count)
-            meta[2] = Int32(n)
-    barrier()
+    syncwarp()
+    return SIMD[DType.int32, 4](Int32(found), Int32(count), Int32(n), 0)
 
 
 # How a lane gets its A fragment (activations of one token, one 32-element
@@ -187,82 +195,213 @@ def _load_a[
 
 
 @always_inline
-def _row_tile_mma[
+def _mult(sc: UInt32) -> SIMD[DType.bfloat16, 2]:
+    """2^(s-1) in both halves (exact for s <= 128)."""
+    var m = (sc + 126) << 7
+    return bitcast[DType.bfloat16, 2](m | (m << 16))
+
+
+@always_inline
+def _decode_block[
+    big: Bool
+](w: SIMD[DType.uint32, 4], sc: UInt32) -> SIMD[DType.uint32, 16]:
+    """One 16-byte MXFP4 block as 16 bf16 pair words in decode order,
+    scaled by 2^(sc-127). big: some scale of the batch is above 128, so the
+    scale is two exact multiplies, 2^(min(s,128)-1) and 2^(max(s,128)-128)."""
+    var pairs = SIMD[DType.uint32, 16](0)
+    comptime if big:
+        var m2u = (max(sc, 128) - 1) << 7
+        var mult2 = bitcast[DType.bfloat16, 2](m2u | (m2u << 16))
+        var mult1 = _mult(min(sc, 128))
+        comptime for w4 in range(4):
+            comptime for s4 in range(4):
+                var d = _decode_pair(w[w4] << UInt32(4 * s4), mult1)
+                pairs[4 * w4 + s4] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
+    else:
+        var mult = _mult(sc)
+        comptime for w4 in range(4):
+            comptime for s4 in range(4):
+                pairs[4 * w4 + s4] = _decode_pair(w[w4] << UInt32(4 * s4), mult)
+    return pairs
+
+
+@always_inline
+def _load_batch[
+    slot: Int
+](
+    mut wv: Array[SIMD[DType.uint32, 4], RING],
+    mut sv: Array[UInt32, RING],
+    w_g: Pointer[UInt32, _],
+    w_g8: Pointer[UInt32, _],
+    s_g: Pointer[UInt8, _],
+    s_g8: Pointer[UInt8, _],
+    nchunks: Int,
+    batch: Int,
+    q: Int,
+):
+    """Issue the 16-byte weight loads and scale bytes of one batch (UNROLL
+    blocks per lane, rows g and g + 8). Past the last block the index is
+    clamped: those blocks meet zero activations (finite weights, so their
+    products are exact zeros) and no predicate sits in the load path."""
+    comptime for u in range(UNROLL):
+        comptime i = 2 * (slot * UNROLL + u)
+        var c = min(4 * (batch * UNROLL + u) + q, nchunks - 1)
+        # Streamed once: kept out of L1, which holds the activations.
+        comptime na = CacheEviction.NO_ALLOCATE
+        wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + c * 4)
+        wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + c * 4)
+        sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + c))
+        sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + c))
+
+
+@always_inline
+def _mma_batch[
+    amode: Int, big: Bool, slot: Int
+](
+    wv: Array[SIMD[DType.uint32, 4], RING],
+    sv: Array[UInt32, RING],
+    mut acc0: SIMD[DType.float32, 4],
+    mut acc1: SIMD[DType.float32, 4],
+    bfrag: Tuple[SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]],
+):
+    """Multiply-accumulate one loaded batch (UNROLL = 1 block per row):
+    weights are mma's A (rows g and g + 8 of the 16-row tile), the token
+    activations its B (bfrag, token g: see _load_b)."""
+    comptime split = amode == A_F32 or amode == A_WORDS_SPLIT
+    comptime for u in range(UNROLL):
+        comptime i = 2 * (slot * UNROLL + u)
+        var pg = _decode_block[big](wv[i], sv[i])
+        var pg8 = _decode_block[big](wv[i + 1], sv[i + 1])
+        var bhi = bfrag[0]
+        var blo = bfrag[1]
+        comptime for t in range(8):
+            var a = bitcast[DType.bfloat16, 8](
+                SIMD[DType.uint32, 4](pg[2 * t], pg8[2 * t], pg[2 * t + 1], pg8[2 * t + 1])
+            )
+            var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](bhi[2 * t], bhi[2 * t + 1]))
+            comptime if t % 2 == 0:
+                mma(acc0, a, b, acc0)
+            else:
+                mma(acc1, a, b, acc1)
+            comptime if split:
+                var bl = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](blo[2 * t], blo[2 * t + 1]))
+                comptime if t % 2 == 0:
+                    mma(acc1, a, bl, acc1)
+                else:
+                    mma(acc0, a, bl, acc0)
+
+
+@always_inline
+def _load_b[
+    amode: Int
+](brow: Pointer[UInt32, _], lo_off: Int, nchunks: Int, batch: Int, q: Int) -> Tuple[
+    SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]
+]:
+    """The B fragment of a batch: token g's activations of block 4 * batch + q
+    in decode order (zero past the last block; a lane without a token reads
+    some token's row: its D column is never stored)."""
+    var c = 4 * batch + q
+    if c < nchunks:
+        return _load_a[amode](brow, lo_off, c)
+    return (SIMD[DType.uint32, 16](0), SIMD[DType.uint32, 16](0))
+
+
+@always_inline
+def _any_scale_above_128(s_tile: Pointer[UInt8, _], n_bytes: Int) -> Bool:
+    """Warp-wide: does any of the n_bytes scale bytes at s_tile exceed 128
+    (weights of magnitude >= 12, which need the two-multiply decode)?"""
+    var lane = Int(lane_id())
+    var big = UInt32(0)
+    if (Int(s_tile) & 15) == 0 and (n_bytes & 15) == 0:
+        var v = s_tile.unsafe_bitcast[UInt32]()
+        for i in range(lane, n_bytes >> 4, 32):
+            var w = v.unsafe_load[width=4, alignment=16](4 * i)
+            # per byte: high bit set and some low bit set
+            big |= ((w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)).reduce_or()
+    else:
+        for i in range(lane, n_bytes, 32):
+            if s_tile[unsafe_offset=i] > 128:
+                big = 1
+    return vote[DType.uint32](big != 0) != 0
+
+
+@always_inline
+def _tile_loop[
+    amode: Int, big: Bool
+](
+    mut wv: Array[SIMD[DType.uint32, 4], RING],
+    mut sv: Array[UInt32, RING],
+    w_g: Pointer[UInt32, _],
+    w_g8: Pointer[UInt32, _],
+    s_g: Pointer[UInt8, _],
+    s_g8: Pointer[UInt8, _],
+    nchunks: Int,
+    brow: Pointer[UInt32, _],
+    lo_off: Int,
+) -> SIMD[DType.float32, 4]:
+    """_tile16's batches through a ring of DEPTH slots, batches 0 .. DEPTH-2
+    already in flight: each step issues the weight loads DEPTH - 1 batches
+    ahead and the activations one batch ahead, then decodes and multiplies
+    the oldest."""
+    var q = Int(lane_id()) & 3
+    var nb = (nchunks + 4 * UNROLL - 1) // (4 * UNROLL)
+    var acc0 = SIMD[DType.float32, 4](0)
+    var acc1 = SIMD[DType.float32, 4](0)
+    # the activations one batch ahead (L1 hits mostly), in two slots
+    # (DEPTH is even, so slot i % 2 holds batch bt + i)
+    var bring = Array[Tuple[SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]], 2](
+        fill=(SIMD[DType.uint32, 16](0), SIMD[DType.uint32, 16](0))
+    )
+    bring[0] = _load_b[amode](brow, lo_off, nchunks, 0, q)
+    var bt = 0
+    while bt < nb:
+        comptime for i in range(DEPTH):
+            if bt + i < nb:
+                if bt + i + DEPTH - 1 < nb:
+                    _load_batch[(i + DEPTH - 1) % DEPTH](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, bt + i + DEPTH - 1, q)
+                bring[(i + 1) % 2] = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
+                _mma_batch[amode, big, i](wv, sv, acc0, acc1, bring[i % 2])
+        bt += DEPTH
+    return acc0 + acc1
+
+
+@always_inline
+def _tile16[
     amode: Int
 ](
-    wrow: Pointer[UInt8, _],
-    srow: Pointer[UInt8, _],
-    row_ok: Bool,
+    w_g: Pointer[UInt32, _],
+    w_g8: Pointer[UInt32, _],
+    s_g: Pointer[UInt8, _],
+    s_g8: Pointer[UInt8, _],
+    s_tile: Pointer[UInt8, _],
+    tile_rows: Int,
     nchunks: Int,
-    arow: Pointer[UInt32, _],
+    brow: Pointer[UInt32, _],
     lo_off: Int,
-    has_tok: Bool,
 ) -> SIMD[DType.float32, 4]:
-    """One warp: D[token, row] for 8 rows (this lane's row: wrow/srow) and
-    up to 8 tokens (this lane's token row: arow, if has_tok). Returns this
-    lane's accumulator fragment (c0, c1: token lane/4, rows 2*(lane%4) +
-    {0, 1} of the 8)."""
-    comptime split = amode == A_F32 or amode == A_WORDS_SPLIT
-    var lane = Int(lane_id())
-    var q = lane & 3
-    var iters = (nchunks + 3) >> 2
-    var acc = SIMD[DType.float32, 4](0)
-    var wv = Array[SIMD[DType.uint32, 4], UNROLL](fill=0)
-    var sv = Array[UInt32, UNROLL](fill=0)
-    var wp32 = wrow.unsafe_bitcast[UInt32]()
-    var it = 0
-    while it < iters:
-        comptime for u in range(UNROLL):
-            var c = 4 * (it + u) + q
-            if row_ok and c < nchunks:
-                wv[u] = wp32.unsafe_load[width=4, alignment=16](c * 4)
-                sv[u] = UInt32(srow[unsafe_offset=c])
-            else:
-                wv[u] = SIMD[DType.uint32, 4](0)
-                sv[u] = 127
-        comptime for u in range(UNROLL):
-            if it + u < iters:
-                var c = 4 * (it + u) + q
-                var sc = sv[u]
-                var pairs = SIMD[DType.uint32, 16](0)
-                # Scales above 128 (weights of magnitude >= 12) need two
-                # multiplies; the warp takes that path only if a lane needs it.
-                if vote[DType.uint32](sc > 128) == 0:
-                    var m = (sc + 126) << 7
-                    var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
-                    comptime for w in range(4):
-                        comptime for s4 in range(4):
-                            pairs[4 * w + s4] = _decode_pair(wv[u][w] << UInt32(4 * s4), mult)
-                else:
-                    var m1 = UInt32(253) << 7
-                    var m2 = sc << 7
-                    var mult1 = bitcast[DType.bfloat16, 2](m1 | (m1 << 16))
-                    var mult2 = bitcast[DType.bfloat16, 2](m2 | (m2 << 16))
-                    comptime for w in range(4):
-                        comptime for s4 in range(4):
-                            var d = _decode_pair(wv[u][w] << UInt32(4 * s4), mult1)
-                            pairs[4 * w + s4] = bitcast[DType.uint32, 1](
-                                bitcast[DType.bfloat16, 2](d) * mult2
-                            )
-                var ahi = SIMD[DType.uint32, 16](0)
-                var alo = SIMD[DType.uint32, 16](0)
-                if has_tok and c < nchunks:
-                    var a2 = _load_a[amode](arow, lo_off, c)
-                    ahi = a2[0]
-                    alo = a2[1]
-                comptime for j in range(8):
-                    var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](pairs[2 * j], pairs[2 * j + 1]))
-                    var a = bitcast[DType.bfloat16, 8](SIMD[DType.uint32, 4](ahi[2 * j], 0, ahi[2 * j + 1], 0))
-                    mma(acc, a, b, acc)
-                    comptime if split:
-                        var al = bitcast[DType.bfloat16, 8](
-                            SIMD[DType.uint32, 4](alo[2 * j], 0, alo[2 * j + 1], 0)
-                        )
-                        mma(acc, al, b, acc)
-        it += UNROLL
-    return acc
+    """One warp: D[row, token] for a 16-row tile (this lane's rows g and
+    g + 8: w_g/s_g, w_g8/s_g8, clamped to a real row when out of range; the
+    tile's scale rows at s_tile, tile_rows of them real) and up to 8 tokens
+    (this lane serves token g: brow). Lane (g, q) reads the blocks q, q + 4,
+    ... of its two rows, UNROLL per batch, DEPTH - 1 batches ahead. Returns
+    this lane's fragment: rows g (c0, c1) and g + 8 (c2, c3), tokens 2q and
+    2q + 1."""
+    var q = Int(lane_id()) & 3
+    var nb = (nchunks + 4 * UNROLL - 1) // (4 * UNROLL)
+    var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
+    var sv = Array[UInt32, RING](fill=0)
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _load_batch[i](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, i, q)
+    # Scales above 128 are rare: one check per tile while the first batches
+    # load, then a loop specialised either way.
+    if _any_scale_above_128(s_tile, tile_rows * nchunks):
+        return _tile_loop[amode, True](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, brow, lo_off)
+    return _tile_loop[amode, False](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, brow, lo_off)
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MIN_WARPS_PER_SM // warps))
 def gate_up_kernel[
     x_dtype: DType, warps: Int
 ](
@@ -289,53 +428,69 @@ def gate_up_kernel[
     var hidden = Int(hidden_)
     comptime split = x_dtype != DType.bfloat16
     comptime threads = warps * 32
-    var flags = stack_allocation[MAX_EXPERTS, UInt32, address_space=AddressSpace.SHARED]()
-    var plist = stack_allocation[MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
-    var meta = stack_allocation[4, Int32, address_space=AddressSpace.SHARED]()
+    var plists = stack_allocation[warps * MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
+    var plist = plists + Int(warp_id()) * MAX_PAIRS
     var tid = Int(thread_idx.x)
     if block_idx.x == 0 and block_idx.y == 0:
         for i in range(tid, n_counters, threads):
             counters[unsafe_offset=i] = 0
-    _route[threads](ids, n_pairs, n_experts, Int(block_idx.y), flags, plist, meta)
-    var e = Int(meta[0])
+    var rt = _route_warp(ids, n_pairs, n_experts, Int(block_idx.y), plist)
+    var e = Int(rt[0])
     if e < 0:
         return
-    var npairs_e = Int(meta[2])
+    var npairs_e = Int(rt[2])
     var nchunks = hidden // 32
     var inter = rows // 2
-    var r0 = (Int(block_idx.x) * warps + Int(warp_id())) * 8
+    var r0 = (Int(block_idx.x) * warps + Int(warp_id())) * 16
     var lane = Int(lane_id())
     var g = lane >> 2
     var q = lane & 3
-    var row = r0 + g
-    var row_ok = row < rows
-    var erow = e * rows + (row if row_ok else 0)
-    var wrow = blocks.unsafe_offset(erow * (hidden // 2))
-    var srow = scales.unsafe_offset(erow * nchunks)
+    var ok_a = r0 + g < rows
+    var ok_b = r0 + g + 8 < rows
+    var ea = e * rows + (r0 + g if ok_a else 0)
+    var eb = e * rows + (r0 + g + 8 if ok_b else 0)
+    var w_a = blocks.unsafe_offset(ea * (hidden // 2)).unsafe_bitcast[UInt32]()
+    var w_b = blocks.unsafe_offset(eb * (hidden // 2)).unsafe_bitcast[UInt32]()
+    var s_a = scales.unsafe_offset(ea * nchunks)
+    var s_b = scales.unsafe_offset(eb * nchunks)
+    var s_tile = scales.unsafe_offset((e * rows + r0) * nchunks)
     # h rows as bf16: hi pair words (decode order), then lo (f32 graphs).
     var hb = h.unsafe_bitcast[BFloat16]()
+    var odd = (g & 1) != 0
     var first = 0
     while first < npairs_e:
         var has_tok = first + g < npairs_e
         var p = Int(plist[first + g]) if has_tok else 0
         var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
         comptime amode = A_F32 if split else A_BF16
-        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, xrow, 0, has_tok)
-        var gr = r0 + 2 * q
-        if has_tok and gr + 1 < rows:
-            var gate = acc[0] + bias[unsafe_offset=e * rows + gr]
-            var up = acc[1] + bias[unsafe_offset=e * rows + gr + 1]
-            var v = gptoss_swiglu(gate, up)
-            var at = p * 2 * inter + _h_slot(gr >> 1)
-            var vb = v.cast[DType.bfloat16]()
-            hb[unsafe_offset=at] = vb
-            comptime if split:
-                hb[unsafe_offset=at + inter] = (v - vb.cast[DType.float32]()).cast[DType.bfloat16]()
+        var acc = _tile16[amode](w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0), nchunks, xrow, 0)
+        # Rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4: the
+        # even lane keeps token 2q, the odd one token 2q + 1.
+        var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
+        var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
+        var gates = SIMD[DType.float32, 2](got0, got1) if odd else SIMD[DType.float32, 2](acc[0], acc[2])
+        var ups = SIMD[DType.float32, 2](acc[1], acc[3]) if odd else SIMD[DType.float32, 2](got0, got1)
+        var slot_t = first + 2 * q + (g & 1)
+        if slot_t < npairs_e:
+            var pt = Int(plist[slot_t])
+            comptime for hh in range(2):
+                var gr = r0 + (g & ~1) + 8 * hh
+                if gr + 1 < rows:
+                    var gate = gates[hh] + bias[unsafe_offset=e * rows + gr]
+                    var up = ups[hh] + bias[unsafe_offset=e * rows + gr + 1]
+                    var v = gptoss_swiglu(gate, up)
+                    var at = pt * 2 * inter + _h_slot(gr >> 1)
+                    var vb = v.cast[DType.bfloat16]()
+                    hb[unsafe_offset=at] = vb
+                    comptime if split:
+                        hb[unsafe_offset=at + inter] = (v - vb.cast[DType.float32]()).cast[DType.bfloat16]()
         first += TOK_PASS
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MIN_WARPS_PER_SM // warps))
 def down_kernel[
-    out_dtype: DType, warps: Int
+    out_dtype: DType, warps: Int, ksplit: Int
 ](
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
     partial: Pointer[Float32, MutAnyOrigin],
@@ -353,24 +508,27 @@ def down_kernel[
     inter_: Int64,
 ):
     """output [T, H], partial [pairs, H] f32 scratch, h [pairs, I] f32;
-    counters: one per tile of warps * 8 rows."""
+    counters: one per block's tile of warps / ksplit * 16 rows. ksplit warps
+    share each 16-row tile, each over its part of I (more warps in flight
+    for few tokens); the first adds the others' fragments."""
     var n_pairs = Int(n_pairs_)
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
     var hidden = Int(hidden_)
     var inter = Int(inter_)
     comptime threads = warps * 32
-    comptime tile_rows = warps * 8
+    comptime tile_rows = warps // ksplit * 16
     comptime split = out_dtype != DType.bfloat16
-    var flags = stack_allocation[MAX_EXPERTS, UInt32, address_space=AddressSpace.SHARED]()
-    var plist = stack_allocation[MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
-    var meta = stack_allocation[4, Int32, address_space=AddressSpace.SHARED]()
+    var red = stack_allocation[warps * 32 * 4, Float32, address_space=AddressSpace.SHARED]()
+    var plists = stack_allocation[warps * MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
+    var plist = plists + Int(warp_id()) * MAX_PAIRS
+    var last = stack_allocation[1, Int32, address_space=AddressSpace.SHARED]()
     var tid = Int(thread_idx.x)
     var tokens = n_pairs // top_k
     var rbase = Int(block_idx.x) * tile_rows
-    _route[threads](ids, n_pairs, n_experts, Int(block_idx.y), flags, plist, meta)
-    var e = Int(meta[0])
-    var n_active = Int(meta[1])
+    var rt = _route_warp(ids, n_pairs, n_experts, Int(block_idx.y), plist)
+    var e = Int(rt[0])
+    var n_active = Int(rt[1])
     if n_active == 0:
         # Nothing routed anywhere: the output is zero.
         if block_idx.y == 0:
@@ -382,43 +540,67 @@ def down_kernel[
         return
     if e < 0:
         return
-    var npairs_e = Int(meta[2])
+    var npairs_e = Int(rt[2])
     var nchunks = inter // 32
-    var r0 = rbase + Int(warp_id()) * 8
+    var kw = Int(warp_id()) % ksplit
+    var kc0 = nchunks * kw // ksplit
+    var nloc = nchunks * (kw + 1) // ksplit - kc0
+    var r0 = rbase + Int(warp_id()) // ksplit * 16
     var lane = Int(lane_id())
     var g = lane >> 2
     var q = lane & 3
-    var row = r0 + g
-    var row_ok = row < hidden
-    var erow = e * hidden + (row if row_ok else 0)
-    var wrow = blocks.unsafe_offset(erow * (inter // 2))
-    var srow = scales.unsafe_offset(erow * nchunks)
+    var ok_a = r0 + g < hidden
+    var ok_b = r0 + g + 8 < hidden
+    var ea = e * hidden + (r0 + g if ok_a else 0)
+    var eb = e * hidden + (r0 + g + 8 if ok_b else 0)
+    var w_a = blocks.unsafe_offset(ea * (inter // 2)).unsafe_bitcast[UInt32]()
+    var w_b = blocks.unsafe_offset(eb * (inter // 2)).unsafe_bitcast[UInt32]()
+    var s_a = scales.unsafe_offset(ea * nchunks)
+    var s_b = scales.unsafe_offset(eb * nchunks)
+    var s_tile = scales.unsafe_offset((e * hidden + r0) * nchunks)
     var hw = h.unsafe_bitcast[UInt32]()
     var first = 0
     while first < npairs_e:
         var has_tok = first + g < npairs_e
         var p = Int(plist[first + g]) if has_tok else 0
         # row p of h: I f32 = I/2 hi pair words, then I/2 lo pair words
-        var hrow = hw.unsafe_offset(p * inter)
+        var hrow = hw.unsafe_offset(p * inter + kc0 * 16)
         comptime amode = A_WORDS_SPLIT if split else A_WORDS
-        var acc = _row_tile_mma[amode](wrow, srow, row_ok, nchunks, hrow, inter // 2, has_tok)
-        if has_tok:
-            var wgt = wts[unsafe_offset=p]
-            comptime for z in range(2):
-                var r = r0 + 2 * q + z
-                if r < hidden:
-                    partial[unsafe_offset=p * hidden + r] = wgt * (
-                        acc[z] + bias[unsafe_offset=e * hidden + r]
-                    )
+        var acc = _tile16[amode](
+            w_a + kc0 * 4, w_b + kc0 * 4, s_a + kc0, s_b + kc0, s_tile, min(16, hidden - r0), nloc, hrow, inter // 2
+        )
+        comptime if ksplit > 1:
+            var mine = red + (Int(warp_id()) * 32 + lane) * 4
+            if kw != 0:
+                mine.unsafe_store[width=4, alignment=16](0, acc)
+            barrier()
+            if kw == 0:
+                comptime for j in range(1, ksplit):
+                    acc += (mine + j * 128).unsafe_load[width=4, alignment=16](0)
+            barrier()
+        if kw != 0:
+            first += TOK_PASS
+            continue
+        comptime for z in range(2):
+            var slot_t = first + 2 * q + z
+            if slot_t < npairs_e:
+                var pt = Int(plist[slot_t])
+                var wgt = wts[unsafe_offset=pt]
+                comptime for hh in range(2):
+                    var r = r0 + g + 8 * hh
+                    if r < hidden:
+                        partial[unsafe_offset=pt * hidden + r] = wgt * (
+                            acc[2 * hh + z] + bias[unsafe_offset=e * hidden + r]
+                        )
         first += TOK_PASS
     # The last block done with this row tile sums the partials over k.
     threadfence()
     barrier()
     if tid == 0:
         var old = Atomic.fetch_add(counters.unsafe_offset(Int(block_idx.x)), 1)
-        meta[3] = 1 if Int(old) == n_active - 1 else 0
+        last[0] = 1 if Int(old) == n_active - 1 else 0
     barrier()
-    if meta[3] == 0:
+    if last[0] == 0:
         return
     # Every block of this tile has counted: reset for the next chunk's launch
     # (gate_up zeroes the counters only once per step).
@@ -464,7 +646,7 @@ def _launch_gate_up[
     ctx.enqueue_function[gate_up_kernel[x_dtype, warps]](
         h, counters, Int64(n_count), x, ids, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
-        grid_dim=((rows + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
+        grid_dim=((rows + warps * 16 - 1) // (warps * 16), min(n_experts, n_pairs)),
         block_dim=warps * 32,
     )
 
@@ -503,7 +685,7 @@ def launch_gate_up[
 
 
 def _launch_down[
-    out_dtype: DType, warps: Int
+    out_dtype: DType, warps: Int, ksplit: Int
 ](
     ctx: DeviceContext,
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
@@ -522,10 +704,10 @@ def _launch_down[
     inter: Int,
 ) raises:
     var n_pairs = tokens * top_k
-    ctx.enqueue_function[down_kernel[out_dtype, warps]](
+    ctx.enqueue_function[down_kernel[out_dtype, warps, ksplit]](
         output, partial, counters, h, ids, wts, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
-        grid_dim=((hidden + warps * 8 - 1) // (warps * 8), min(n_experts, n_pairs)),
+        grid_dim=((hidden + warps // ksplit * 16 - 1) // (warps // ksplit * 16), min(n_experts, n_pairs)),
         block_dim=warps * 32,
     )
 
@@ -555,12 +737,12 @@ def launch_down[
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0")
     if tokens <= FEW_TOKENS:
-        _launch_down[out_dtype, DOWN_WARPS_FEW](
+        _launch_down[out_dtype, DOWN_WARPS_FEW, DOWN_KSPLIT_FEW](
             ctx, output, partial, counters, h, ids, wts, blocks, scales, bias,
             tokens, top_k, n_experts, hidden, inter,
         )
     else:
-        _launch_down[out_dtype, WARPS_MANY](
+        _launch_down[out_dtype, WARPS_MANY, 1](
             ctx, output, partial, counters, h, ids, wts, blocks, scales, bias,
             tokens, top_k, n_experts, hidden, inter,
         )
