@@ -4,24 +4,27 @@
 #   gate_up: h[t, k, :] = swiglu(W_gu[e] x[t] + b_gu[e])      e = ids[t, k]
 #   down:    out[t, :]  = sum_k w[t, k] (W_dn[e] h[t, k] + b_dn[e])
 #
-# Grid: x = row tiles of 8 rows per warp, y = expert slot (at most
-# min(E, tokens * top_k), a bound known from shapes; no host sync). Each
-# block finds the slot-th routed expert and its (token, k) pairs from the
-# ids itself, so only routed experts are read, each byte once per step:
-# every token routed to an expert is served from the same load.
+# Grid: x = row tiles of 16 rows per warp (few-token down: per 2 warps, each
+# over half of I), y = expert slot (at most min(E, tokens * top_k), a bound
+# known from shapes; no host sync). Each warp finds the slot-th routed expert
+# and its (token, k) pairs from one load of the ids (_route_warp), so only
+# routed experts are read, each byte once per step: every token routed to an
+# expert is served from the same load.
 #
 # Inner product on tensor cores (mma.sync m16n8k16, bf16 in, f32 acc):
-#   B (k x n) = 8 weight rows x 16 elements, one warp lane group per row:
-#       lane (g, q) = (lane / 4, lane % 4) loads the 16-byte MXFP4 block
-#       4 * it + q of row r0 + g (so a warp reads 8 rows x 64 contiguous
-#       bytes per step), decodes it in registers to bf16 pairs with the
-#       E8M0 scale applied by a bf16 multiply with a power of two (exact).
-#   A (m x k) = the routed tokens' activations, lane (g, q) serving token g
-#       of the pass (up to 8 per pass; rows 8..15 zero), read straight from
-#       global memory (L1/L2-resident: every warp of an SM reads the same
-#       rows) in the decode order of B: x is permuted in registers, and
-#       gate_up writes h already in that order as bf16 (hi, plus a lo
-#       remainder for float32 graphs, which then take two mma).
+#   A (m x k) = 16 weight rows x 16 elements: lane (g, q) = (lane / 4,
+#       lane % 4) loads the 16-byte MXFP4 blocks q, q + 4, ... of rows r0 + g
+#       and r0 + g + 8 (a warp reads 8 rows x 64 contiguous bytes per load),
+#       through a ring DEPTH - 1 blocks ahead with L1::no_allocate, and
+#       decodes them in registers to bf16 pairs with the E8M0 scale applied
+#       by a bf16 multiply with a power of two (exact; two multiplies in a
+#       loop variant taken when a tile has a scale above 128).
+#   B (k x n) = the routed tokens' activations, lane (g, q) serving token g
+#       of the pass (up to 8 per pass), loaded one block ahead from global
+#       memory (L1-resident: every warp of an SM reads the same rows) in the
+#       decode order of A: x is permuted in registers, and gate_up writes h
+#       already in that order as bf16 (hi, plus a lo remainder for float32
+#       graphs, which then take two mma).
 #   The k order inside a block is irrelevant to a dot product, so the
 #   decode order is used as is and the activations follow it.
 #
@@ -49,8 +52,9 @@ from std.utils.static_tuple import StaticTuple
 
 from .moe_common import gptoss_swiglu
 
-# Warps per block (one row tile of 8 rows per warp). For 1-2 tokens, small
-# blocks keep the bytes per SM even; with more, blocks share the routing.
+# Warps per block (a 16-row tile per warp, or per ksplit warps in down). For
+# 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share
+# the launch.
 comptime FEW_TOKENS = 2
 comptime GATE_UP_WARPS_FEW = 2
 comptime DOWN_WARPS_FEW = 2
@@ -59,12 +63,13 @@ comptime WARPS_MANY = 4
 # Resident warps per SM the register budget is held to (ptxas: <= 170 registers):
 # a one-token step's 1440 gate_up / down warps then run in one wave on 132 SMs.
 comptime MIN_WARPS_PER_SM = 12
-# Counters are sized for the smallest down tile (8 rows).
+# Counters: one per 8 output rows (the op's counters tensor, ops.py), at least
+# one per down tile (16 rows or more).
 comptime COUNTER_TILE_ROWS = 8
 comptime TOK_PASS = 8
-comptime UNROLL = 1  # 16-byte blocks per lane and row per batch
+# A batch is one 16-byte block per lane and row (rows g and g + 8).
 comptime DEPTH = 4  # batches in the ring: DEPTH - 1 in flight while one is decoded (even)
-comptime RING = 2 * UNROLL * DEPTH
+comptime RING = 2 * DEPTH
 comptime CHUNK_TOKENS = 64
 comptime MAX_TOPK = 4
 comptime MAX_PAIRS = CHUNK_TOKENS * MAX_TOPK
@@ -151,7 +156,7 @@ def _route_warp(
     return SIMD[DType.int32, 4](Int32(found), Int32(count), Int32(n), 0)
 
 
-# How a lane gets its A fragment (activations of one token, one 32-element
+# How a lane gets its activation fragment (mma's B: one token, one 32-element
 # block, as 16 bf16 pair words in decode order):
 comptime A_BF16 = 0  # x bf16 in natural order: 4 x 16-byte loads + permute
 comptime A_F32 = 1  # x f32 in natural order: 8 loads, split into hi + lo
@@ -239,19 +244,19 @@ def _load_batch[
     batch: Int,
     q: Int,
 ):
-    """Issue the 16-byte weight loads and scale bytes of one batch (UNROLL
-    blocks per lane, rows g and g + 8). Past the last block the index is
-    clamped: those blocks meet zero activations (finite weights, so their
-    products are exact zeros) and no predicate sits in the load path."""
-    comptime for u in range(UNROLL):
-        comptime i = 2 * (slot * UNROLL + u)
-        var c = min(4 * (batch * UNROLL + u) + q, nchunks - 1)
-        # Streamed once: kept out of L1, which holds the activations.
-        comptime na = CacheEviction.NO_ALLOCATE
-        wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + c * 4)
-        wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + c * 4)
-        sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + c))
-        sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + c))
+    """Issue the 16-byte weight loads and scale bytes of one batch (block
+    4 * batch + q of rows g and g + 8) into ring slot `slot`. Past the last
+    block the index is clamped: those blocks meet zero activations (finite
+    weights, so their products are exact zeros) and no predicate sits in
+    the load path."""
+    comptime i = 2 * slot
+    var c = min(4 * batch + q, nchunks - 1)
+    # Streamed once: kept out of L1, which holds the activations.
+    comptime na = CacheEviction.NO_ALLOCATE
+    wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + c * 4)
+    wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + c * 4)
+    sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + c))
+    sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + c))
 
 
 @always_inline
@@ -264,31 +269,28 @@ def _mma_batch[
     mut acc1: SIMD[DType.float32, 4],
     bfrag: Tuple[SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]],
 ):
-    """Multiply-accumulate one loaded batch (UNROLL = 1 block per row):
-    weights are mma's A (rows g and g + 8 of the 16-row tile), the token
-    activations its B (bfrag, token g: see _load_b)."""
+    """Multiply-accumulate the batch in ring slot `slot`: weights are mma's
+    A (rows g and g + 8 of the 16-row tile), the token activations its B
+    (bfrag, token g: see _load_b)."""
     comptime split = amode == A_F32 or amode == A_WORDS_SPLIT
-    comptime for u in range(UNROLL):
-        comptime i = 2 * (slot * UNROLL + u)
-        var pg = _decode_block[big](wv[i], sv[i])
-        var pg8 = _decode_block[big](wv[i + 1], sv[i + 1])
-        var bhi = bfrag[0]
-        var blo = bfrag[1]
-        comptime for t in range(8):
-            var a = bitcast[DType.bfloat16, 8](
-                SIMD[DType.uint32, 4](pg[2 * t], pg8[2 * t], pg[2 * t + 1], pg8[2 * t + 1])
-            )
-            var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](bhi[2 * t], bhi[2 * t + 1]))
+    comptime i = 2 * slot
+    var pg = _decode_block[big](wv[i], sv[i])
+    var pg8 = _decode_block[big](wv[i + 1], sv[i + 1])
+    var bhi = bfrag[0]
+    var blo = bfrag[1]
+    comptime for t in range(8):
+        var a = bitcast[DType.bfloat16, 8](SIMD[DType.uint32, 4](pg[2 * t], pg8[2 * t], pg[2 * t + 1], pg8[2 * t + 1]))
+        var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](bhi[2 * t], bhi[2 * t + 1]))
+        comptime if t % 2 == 0:
+            mma(acc0, a, b, acc0)
+        else:
+            mma(acc1, a, b, acc1)
+        comptime if split:
+            var bl = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](blo[2 * t], blo[2 * t + 1]))
             comptime if t % 2 == 0:
-                mma(acc0, a, b, acc0)
+                mma(acc1, a, bl, acc1)
             else:
-                mma(acc1, a, b, acc1)
-            comptime if split:
-                var bl = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](blo[2 * t], blo[2 * t + 1]))
-                comptime if t % 2 == 0:
-                    mma(acc1, a, bl, acc1)
-                else:
-                    mma(acc0, a, bl, acc0)
+                mma(acc0, a, bl, acc0)
 
 
 @always_inline
@@ -344,7 +346,7 @@ def _tile_loop[
     ahead and the activations one batch ahead, then decodes and multiplies
     the oldest."""
     var q = Int(lane_id()) & 3
-    var nb = (nchunks + 4 * UNROLL - 1) // (4 * UNROLL)
+    var nb = (nchunks + 3) // 4
     var acc0 = SIMD[DType.float32, 4](0)
     var acc1 = SIMD[DType.float32, 4](0)
     # the activations one batch ahead (L1 hits mostly), in two slots
@@ -383,11 +385,11 @@ def _tile16[
     g + 8: w_g/s_g, w_g8/s_g8, clamped to a real row when out of range; the
     tile's scale rows at s_tile, tile_rows of them real) and up to 8 tokens
     (this lane serves token g: brow). Lane (g, q) reads the blocks q, q + 4,
-    ... of its two rows, UNROLL per batch, DEPTH - 1 batches ahead. Returns
+    ... of its two rows, one per batch, DEPTH - 1 batches ahead. Returns
     this lane's fragment: rows g (c0, c1) and g + 8 (c2, c3), tokens 2q and
     2q + 1."""
     var q = Int(lane_id()) & 3
-    var nb = (nchunks + 4 * UNROLL - 1) // (4 * UNROLL)
+    var nb = (nchunks + 3) // 4
     var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
     var sv = Array[UInt32, RING](fill=0)
     comptime for i in range(DEPTH - 1):
