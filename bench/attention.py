@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from moe import copy_bandwidth, gpu_tag, open_gpu, rel_err, result_header
+    from moe import copy_bandwidth, open_gpu, rel_err, result_header
 
     gpu = open_gpu(torch, "bench/attention.py")
     cases = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
@@ -283,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "failures": failures,
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"attention_{gpu_tag(gpu_name)}_{today.strftime('%Y%m%d')}.json"
+    path = gpu.result_path(args.out, "attention")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{gpu_name}  {today}  copy {copy_tb_s:.2f} TB/s  (per layer, µs)")
     print(f"{'case':<27} {'ours':>8} {'MAX':>8} {'roof':>7} {'bw_frac':>7} {'err ours':>9} {'err MAX':>8}")

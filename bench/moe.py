@@ -271,6 +271,13 @@ class GpuRun:
     gpu_name: str
     today: datetime.date
 
+    def result_path(self, out: str | Path, kind: str, ext: str = "json") -> Path:
+        """<out>/<kind>_<gpu>_<yyyymmdd>.<ext>, the name every result file here takes
+        (gpu as the e2e bench spells it); the directory is made."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        return out / f"{kind}_{gpu_tag(self.gpu_name)}_{self.today:%Y%m%d}.{ext}"
+
 
 def result_header(script: str, argv: list[str] | None, gpu: GpuRun, copy_tb_s: float) -> dict:
     """The fields every result file here starts with."""
@@ -291,7 +298,6 @@ def open_gpu(torch, script: str) -> GpuRun:
     dev = Accelerator()
     return GpuRun(dev, InferenceSession(devices=[dev]), DeviceRef.from_device(dev), Timer(dev),
                   torch.cuda.get_device_name(), datetime.date.today())  # fmt: skip
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = open_gpu(torch, "bench/moe.py")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     token_counts = [int(t) for t in args.tokens.split(",")]
-    gpu_name, today, session, dref, timer = gpu.gpu_name, gpu.today, gpu.session, gpu.dref, gpu.timer
+    gpu_name, session, dref, timer = gpu.gpu_name, gpu.session, gpu.dref, gpu.timer
 
     def buf(t):
         return Buffer.from_dlpack(t.contiguous())
@@ -411,9 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "failures": failures,
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"moe_decode_{gpu_tag(gpu_name)}_{today.strftime('%Y%m%d')}.json"
+    path = gpu.result_path(args.out, "moe_decode")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
     print(f"wrote {path}")

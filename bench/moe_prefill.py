@@ -239,8 +239,7 @@ class Run:
         self.start = time.perf_counter()
         gpu = dec.open_gpu(torch, "bench/moe.py --prefill")
         gpu_name, today = gpu.gpu_name, gpu.today
-        self.path = Path(args.out) / f"moe_prefill_{dec.gpu_tag(gpu_name)}_{today.strftime('%Y%m%d')}.json"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = gpu.result_path(args.out, "moe_prefill")
         self.session, self.dref, self.timer = gpu.session, gpu.dref, gpu.timer
         self.gen = torch.Generator(device="cuda").manual_seed(args.seed)
         given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--prefill"]

@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("scripts/step_profile.py needs torch with CUDA (and a CUDA GPU)", file=sys.stderr)
         return 2
-    from moe import copy_bandwidth, gpu_tag, open_gpu, result_header
+    from moe import copy_bandwidth, open_gpu, result_header
 
     gpu = open_gpu(torch, "scripts/step_profile.py")  # exits 2 without a CUDA GPU
     gpu.session = gpu.dev = gpu.dref = gpu.timer = None  # the pipeline opens its own
@@ -483,13 +483,11 @@ def run(args: argparse.Namespace) -> int:
         "categories": {c: what for c, what in CATEGORIES},
         "phases": phases,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"step_profile_{gpu_tag(gpu.gpu_name)}_{gpu.today:%Y%m%d}.json"
+    path = gpu.result_path(args.out, "step_profile")
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     if args.keep_trace:
-        tpath = out / f"step_profile_trace_{gpu_tag(gpu.gpu_name)}_{gpu.today:%Y%m%d}.json.gz"
+        tpath = gpu.result_path(args.out, "step_profile_trace", "json.gz")
         with gzip.open(tpath, "wt") as f:
             json.dump(trace, f)
         print(f"wrote {tpath}")

@@ -57,3 +57,13 @@ def test_routing_picks_distinct_experts(bench):
 def test_expert_bytes_is_the_mxfp4_expert_size(bench):
     # gate_up 5760 x 2880 and down 2880 x 2880 at 4.25 bits, plus f32 biases
     assert bench.expert_bytes() == (5760 * 2880 + 2880 * 2880) * 17 // 32 + 4 * (5760 + 2880)
+
+
+def test_result_path_names_every_gpu_result_file_alike(bench, tmp_path):
+    import datetime
+
+    gpu = bench.GpuRun(None, None, None, None, "NVIDIA H100 80GB HBM3", datetime.date(2026, 11, 21))
+    path = gpu.result_path(tmp_path / "new", "moe_decode")
+    assert path == tmp_path / "new" / "moe_decode_h100_20261121.json"
+    assert path.parent.is_dir()
+    assert gpu.result_path(tmp_path, "step_profile_trace", "json.gz").name == "step_profile_trace_h100_20261121.json.gz"
