@@ -19,7 +19,9 @@ cos min >= 0.995, cos mean >= 0.9995, argmax agreement 100 %. bf16 rows are repo
 transformers' own bf16 run against its float32 (the checkpoint's bf16 noise floor). Also the
 reference router's spread of tokens over experts per layer, and transformers' float32 vs its own
 float64 run (the float32 rounding a correct graph may differ by; `--no-float64` skips it: a 20b
-float64 layer is 6.4 GB next to the bf16 reference). Exit status 1 if a float32 row fails.
+float64 layer is 6.4 GB next to the bf16 reference), and its float32 run with TF32 matmuls vs
+without (the gap TF32 alone opens: MAX's GPU float32 matmuls are TF32, arch/exact_f32.py).
+Exit status 1 if a float32 row fails.
 
 Synthetic generator 3 (synthetic.py) is conditioned so this check can discriminate at 24 layers;
 on generator 2 (2026-11-21 H100 run) transformers' own bf16 and float32 runs agreed only to cos
@@ -80,6 +82,8 @@ def main() -> int:
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="cpu: a smoke run of the script")
     ap.add_argument("--no-float64", dest="float64", action="store_false",
                     help="skip transformers' float64 run (its float32-vs-float64 row)")  # fmt: skip
+    ap.add_argument("--no-tf32", dest="tf32", action="store_false",
+                    help="skip the row of transformers with TF32 matmuls vs its float32 (GPU only)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for each of our runs")
     ap.add_argument("--out", type=Path, required=True, help="directory for the JSON (and the logs)")
     ap.add_argument("--ours-only", help=argparse.SUPPRESS)
@@ -159,6 +163,14 @@ def main() -> int:
                                "route_changes_per_layer": changes})  # fmt: skip
         print(f"transformers float32 vs its float64: {floor64}; top-4 changed per layer {changes}", flush=True)
         del ref64
+    if args.tf32 and device == "cuda":  # the size of the gap TF32 matmuls alone open
+        tf, routed_tf = reference_forward(ref_model, ids, "tensorfloat32")
+        gap = compare(tf[args.prompt - 1 :], ref)
+        changes = [round(x, 4) for x in route_changes(routed_tf, routed).tolist()]
+        result["rows"].append({"encoding": "transformers-tf32-vs-float32", "part": "all", **gap.as_dict(),
+                               "route_changes_per_layer": changes})  # fmt: skip
+        print(f"transformers TF32 vs its float32: {gap}; top-4 changed per layer {changes}", flush=True)
+        del tf
     del ref_model
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -1,21 +1,25 @@
 """The hybrid attention core (MAX's flash attention for steps holding a prompt chunk, ours for
 decode steps, chosen by ops.cond) builds into a valid GPU graph: both branches must only use values
 defined outside them (a weight moved to the GPU inside one branch is not). Built, which verifies
-each op, not compiled: no GPU is needed."""
+each op, not compiled: no GPU is needed. With `exact`, its projections are the exact-float32 ones a
+float32 GPU graph takes (arch/exact_f32.py): each matmul becomes two."""
 
 from __future__ import annotations
 
 import pytest
 
 
-@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
-def test_hybrid_attention_graph_verifies(layer_type):
+@pytest.mark.parametrize(
+    ("layer_type", "exact"), [("sliding_attention", False), ("full_attention", False), ("full_attention", True)]
+)
+def test_hybrid_attention_graph_verifies(layer_type, exact):
     from max.dtype import DType
     from max.graph import BufferType, DeviceRef, Graph, ShardingStrategy, TensorType
     from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
     from max.nn.rotary_embedding import YarnRotaryEmbedding, YarnScalingParams
 
     from gptoss_max.arch.attention import SinkAttention
+    from gptoss_max.arch.exact_f32 import use_exact_f32_projections
 
     cpu, gpu = DeviceRef.CPU(), DeviceRef.GPU()
     heads, kv_heads, dim, hidden = 4, 2, 16, 32
@@ -39,6 +43,8 @@ def test_hybrid_attention_graph_verifies(layer_type):
     attn = attn.shard([gpu])[0]
     attn.__class__ = SinkAttention
     attn.hybrid = True
+    if exact:
+        assert use_exact_f32_projections(attn) == 5  # qkv (and its q, k, v), o_proj
     u32 = DType.uint32
     types = [
         TensorType(DType.float32, ["T", hidden], gpu),
@@ -58,3 +64,4 @@ def test_hybrid_attention_graph_verifies(layer_type):
         g.output(out)
     text = str(g._module)  # building verifies each op: the cond fails there if a branch uses the other's values
     assert "gptoss_attention_with_sinks" in text and "mo.if" in text
+    assert text.count("mo.matmul") == (4 if exact else 2)  # qkv and o_proj, each split in two

@@ -28,6 +28,19 @@ def test_stock_gpt_oss_pieces():
         assert callable(getattr(maxapi.GptOssModel, name))
 
 
+def test_stacked_linear_pieces():
+    """What arch/exact_f32.py's subclass reads from MAX's StackedLinear (and, by class swap,
+    from gpt_oss's q/k/v projection, which must be one)."""
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    stack = maxapi.StackedLinear(8, [4, 2], ["a", "b"], DType.float32, DeviceRef.CPU(), has_bias=True)
+    assert stack._quant_config is None and not stack._clip_weight
+    assert isinstance(maxapi.StackedLinear.stacked_weight, property)
+    assert isinstance(maxapi.StackedLinear.stacked_bias, property)
+    assert "StackedLinear(" in inspect.getsource(maxapi.GptOssAttention.__init__)
+
+
 def test_pipeline_driving_pieces():
     fields = set(maxapi.SamplingParams.__dataclass_fields__)
     assert {"top_k", "top_p", "temperature", "max_new_tokens", "stop_token_ids", "ignore_eos"} <= fields

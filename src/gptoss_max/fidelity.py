@@ -158,7 +158,8 @@ def synthetic_reference(model: Any, device: str = "cpu", threads: int | None = N
 def reference_forward(
     ref: Any, ids: list[int], dtype: str = "float32", router_logits: bool = False
 ) -> tuple[np.ndarray, ...]:
-    """Logits `[len(ids), V]` of a bf16 reference run in `dtype` (float32 / float64: decoder layers
+    """Logits `[len(ids), V]` of a bf16 reference run in `dtype` (float32 / tensorfloat32 (float32
+    with TF32 matmuls) / float64: decoder layers
     upcast one at a time, embeddings, norm and LM head for the run; float64 runs transformers'
     eager experts, its grouped matmul has no float64), and the router's top-k expert ids
     `[layers, len(ids), k]`; with `router_logits`, also the router's logits `[layers, len(ids), E]`
@@ -171,10 +172,11 @@ def reference_forward(
     hooks = []
     outer = (ref.model.embed_tokens, ref.model.norm, ref.lm_head)
     impl = getattr(ref.config, "_experts_implementation", None)
-    if dtype in ("float32", "float64"):
-        wide = getattr(torch, dtype)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
+    if dtype in ("float32", "tensorfloat32", "float64"):
+        wide = torch.float64 if dtype == "float64" else torch.float32
+        tf32 = dtype == "tensorfloat32"  # float32 with TF32 matmuls, as MAX's GPU float32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
         for module in outer:
             module.to(wide)
         if dtype == "float64":
@@ -193,7 +195,7 @@ def reference_forward(
 
             hooks += [layer.register_forward_pre_hook(upcast), layer.register_forward_hook(restore)]
     elif dtype != "bfloat16":
-        raise ValueError(f"dtype must be float64, float32 or bfloat16, not {dtype!r}")
+        raise ValueError(f"dtype must be float64, float32, tensorfloat32 or bfloat16, not {dtype!r}")
 
     def record(_m: Any, _a: Any, out: Any) -> None:
         routed.append(out[2].cpu())
@@ -206,6 +208,8 @@ def reference_forward(
         with torch.no_grad():
             logits = ref(torch.tensor([ids], device=device)).logits[0]
     finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
         for h in hooks:
             h.remove()
         if impl is not None:

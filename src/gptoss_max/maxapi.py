@@ -13,6 +13,9 @@ from typing import Any
 # P2P signal buffers, which MAX reserves for gpt_oss even on one GPU (memory.py's plan).
 from max.nn.comm import Signals
 
+# The q/k/v projection gpt_oss's attention uses (arch/exact_f32.py subclasses it).
+from max.nn.stacked_linear import StackedLinear
+
 # gpt_oss architecture pieces we reuse (attention with sinks, YaRN RoPE, norms, KV params),
 # and what builds and drives a pipeline (engine.py, fidelity.py, e2e.py: one step over a batch).
 from max.pipelines import PIPELINE_REGISTRY
@@ -138,6 +141,7 @@ __all__ = [
     "TextGenerationInputs",
     "TextGenerationRequest",
     "Signals",
+    "StackedLinear",
     "GptOssAttention",
     "GptOssBatchProcessor",
     "GptOssInputs",

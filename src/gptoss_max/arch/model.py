@@ -12,6 +12,7 @@ from max.graph import DeviceRef
 from gptoss_max import maxapi, memory, settings
 from gptoss_max.arch import cpu_shims
 from gptoss_max.arch.attention import use_sink_attention
+from gptoss_max.arch.exact_f32 import use_exact_f32_projections
 from gptoss_max.arch.moe import NativeMoE
 from gptoss_max.arch.rope import use_gptoss_rope
 from gptoss_max.arch.weights import SyntheticWeights, adapt_state_dict
@@ -58,6 +59,10 @@ class NativeGptOss(maxapi.StockGptOss):
             impl = "ours" if cpu else settings.attention_impl()
             if impl != "max":
                 use_sink_attention(block, hybrid=impl == "hybrid")
+        if config.dtype == DType.float32 and not cpu:
+            # MAX's GPU float32 matmuls are TF32; the float32 graph is the one checked against
+            # transformers' true float32 (exact_f32.py).
+            use_exact_f32_projections(self)
 
 
 @dataclasses.dataclass
