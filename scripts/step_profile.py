@@ -8,12 +8,15 @@ MAX's pipeline, `synthetic:20b|120b` weights made on the device, `batch` random 
 
   1. an untimed run of the same shapes warms every first-use cost;
   2. a second run is stepped under `torch.profiler` (CUDA activity = CUPTI, whose activity
-     records cover every kernel the process launches, MAX's own included; not yet seen on a GPU:
-     the script says so if it gets none): the first prefill step and
-     `--steps` decode steps after `--warmup-steps` are each marked with a `record_function`
-     range; every pipeline step returns only once its sampled tokens are on the host, so a
-     kernel belongs to the step whose range holds its start (if the clocks do not line up,
-     kernels are split at the largest idle gaps instead, and the JSON says so);
+     records cover every kernel the process launches, MAX's own included; the script says so if
+     it gets none): every step from the first prefill step to the last profiled decode step is
+     marked with a `record_function` range, and the first prefill step and `--steps` decode
+     steps after `--warmup-steps` are reported. A kernel belongs to the step whose range holds
+     its launch call (CUPTI's runtime/driver API record with the kernel's correlation id); without
+     launch records, the step whose range holds the kernel's start, and if the clocks do not
+     line up either, kernels are split at the largest idle gaps (the JSON says which: on an
+     H100, 2026-11-21, an earlier version assigned by start time, fell back to the gaps and
+     mixed the prefill's kernels into decode steps);
   3. GPU kernel time is summed per kernel name and per category (our MoE decode gate_up/down,
      our MoE prefill, our attention and its merge, MAX's attention, matmul/GEMM, norm, RoPE,
      router/top-k, sampling/logits, KV-cache writes, elementwise, memcpy/memset, other), per
@@ -111,6 +114,7 @@ class KernelEvent:
     kind: str = "kernel"  # kernel | memcpy | memset
     block: tuple[int, ...] | None = None
     graph: bool = False  # launched from a CUDA graph (when the trace says so)
+    correlation: int | None = None  # CUPTI's id linking it to its host-side launch call
 
 
 @dataclass(frozen=True)
@@ -173,9 +177,23 @@ def kernel_events(trace: dict[str, Any]) -> list[KernelEvent]:
                 kind=kind,
                 block=tuple(int(b) for b in block) if isinstance(block, list | tuple) else None,
                 graph=graph,
+                correlation=int(args["correlation"]) if isinstance(args.get("correlation"), int) else None,
             )
         )
     return sorted(out, key=lambda e: e.start_us)
+
+
+def launch_times(trace: dict[str, Any]) -> dict[int, float]:
+    """Host time (µs) of each CUDA runtime / driver API call by CUPTI correlation id: when a GPU
+    activity's launch call ran (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync...)."""
+    out = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X" or str(ev.get("cat", "")).lower() not in ("cuda_runtime", "cuda_driver"):
+            continue
+        corr = (ev.get("args") or {}).get("correlation")
+        if isinstance(corr, int):
+            out[corr] = float(ev["ts"])
+    return out
 
 
 def step_windows(trace: dict[str, Any], prefix: str = STEP_PREFIX) -> list[Window]:
@@ -193,23 +211,51 @@ def step_windows(trace: dict[str, Any], prefix: str = STEP_PREFIX) -> list[Windo
     return sorted(out, key=lambda w: w.start_us)
 
 
-def assign_steps(events: list[KernelEvent], windows: list[Window]) -> tuple[dict[Window, list[KernelEvent]], str]:
-    """Each event to the window holding its start. If that places under half of the events that
-    start between the first window's start and the last one's end plus 1 s (clocks not aligned),
-    split the events at the largest idle gaps instead, in window order. Returns (per window, method)."""
+def _window_of(t: float, windows: list[Window]) -> Window | None:
+    for w in windows:
+        if w.start_us <= t <= w.end_us:
+            return w
+    return None
+
+
+def assign_steps(
+    events: list[KernelEvent], windows: list[Window], launches: dict[int, float] | None = None
+) -> tuple[dict[Window, list[KernelEvent]], str]:
+    """Each event to a step window (host clock), the first way that places at least half of the
+    events near the windows (from the first window's start to the last one's end plus 1 s):
+
+    - "launch": by the host time of its launch call (`launches`, by correlation id), which lies
+      in the step that launched it whatever the GPU clock says and however late the GPU ran it;
+    - "windows": by its own start time, if the GPU and host clocks line up;
+    - "gaps": the events cut at the largest idle gaps, in window order (`windows` must then hold
+      every step that ran while profiling, so that the cuts fall between steps).
+
+    Returns (per window, method)."""
     by_window: dict[Window, list[KernelEvent]] = {w: [] for w in windows}
     if not windows:
         return by_window, "none"
+    if not events:
+        return by_window, "windows"
+    lo, hi = windows[0].start_us, windows[-1].end_us + 1e6
+    if launches:
+        timed = [(ev, launches[ev.correlation]) for ev in events if ev.correlation in launches]
+        if len(timed) >= 0.5 * len(events):
+            for ev, t in timed:
+                w = _window_of(t, windows)
+                if w is not None:
+                    by_window[w].append(ev)
+            near = [t for _, t in timed if lo <= t <= hi]
+            if sum(map(len, by_window.values())) >= 0.5 * max(len(near), 1):
+                return by_window, "launch"
+            by_window = {w: [] for w in windows}
     placed = 0
     for ev in events:
-        for w in windows:
-            if w.start_us <= ev.start_us <= w.end_us:
-                by_window[w].append(ev)
-                placed += 1
-                break
-    lo, hi = windows[0].start_us, windows[-1].end_us + 1e6
+        w = _window_of(ev.start_us, windows)
+        if w is not None:
+            by_window[w].append(ev)
+            placed += 1
     nearby = [e for e in events if lo <= e.start_us <= hi] or events
-    if placed >= 0.5 * len(nearby) or not events:
+    if placed >= 0.5 * len(nearby):
         return by_window, "windows"
     return split_at_gaps(events, windows), "gaps"
 
@@ -328,8 +374,9 @@ def format_table(phases: dict[str, Any], top: int = 15) -> str:
 
 
 class StepProfiler:
-    """`run_batch`'s step hook: starts torch.profiler at the first chosen step, marks each chosen
-    step with a record_function range, stops after the last one."""
+    """`run_batch`'s step hook: starts torch.profiler at the first chosen step, marks every step
+    from there with a record_function range (the chosen ones are reported; the others keep the
+    assignment of kernels to steps honest), stops after the last chosen one."""
 
     def __init__(self, torch: Any, chosen: set[tuple[str, int]]):
         self.torch = torch
@@ -339,7 +386,7 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def __call__(self, phase: str, index: int) -> Iterator[None]:
-        if (phase, index) not in self.chosen:
+        if (phase, index) not in self.chosen and (self.prof is None or not self.left):
             yield
             return
         from torch.profiler import ProfilerActivity, profile, record_function
@@ -428,8 +475,8 @@ def run(args: argparse.Namespace) -> int:
     trace = hook.trace()
 
     events = kernel_events(trace)
-    windows = [w for w in step_windows(trace) if (w.phase, w.index) in chosen]
-    by_window, method = assign_steps(events, windows)
+    by_window, method = assign_steps(events, step_windows(trace), launch_times(trace))
+    by_window = {w: evs for w, evs in by_window.items() if (w.phase, w.index) in chosen}
     phases = summarize(by_window, n_layers)
     context = args.context + args.warmup_steps + args.steps / 2
     step_bytes = memory.decode_step_bytes(spec, mxfp4, args.batch, context)
@@ -452,7 +499,10 @@ def run(args: argparse.Namespace) -> int:
             "nothing to break down: profile with nsys instead"
         )
     if method == "gaps":
-        warnings.append("kernels were assigned to steps at idle gaps (the trace's host and GPU clocks did not line up)")
+        warnings.append(
+            "kernels were assigned to steps at idle gaps (no launch records, and the trace's host and GPU clocks "
+            "did not line up)"
+        )
 
     print(format_table(phases, args.top))
     for w in warnings:

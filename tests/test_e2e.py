@@ -118,3 +118,10 @@ def test_merge_only_folds_device_calls_into_one_file(tmp_path, capsys):
     assert [r["model"] for r in merged["rows"]] == ["synthetic:120b", "synthetic:20b"]
     assert merged["commands"] == ["a.json", "b.json"] and set(merged["runs"]) == {"a.json", "b.json"}
     assert "NVIDIA H100 80GB HBM3, 2026-11-22" in capsys.readouterr().out
+    # merging a merged file again keeps its commands, and a later file's row replaces an earlier one's
+    c = run_file("c.json", [{"model": "synthetic:120b", "batch": 1, "graph_capture": False, "ours_tok_s": 3.0}])
+    again = str(tmp_path / "out" / "e2e_h100_20261122.json")
+    assert e2e.main(["--merge-only", "--merge", again, c, "--out", str(tmp_path / "out2")]) == 0
+    merged = json.loads((tmp_path / "out2" / "e2e_h100_20261122.json").read_text())
+    assert merged["commands"] == ["a.json", "b.json", "c.json"]
+    assert [(r["model"], r["ours_tok_s"]) for r in merged["rows"]] == [("synthetic:120b", 3.0), ("synthetic:20b", 1.0)]

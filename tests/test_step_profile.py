@@ -152,6 +152,61 @@ def test_steps_by_gaps_when_clocks_disagree():
     assert prefill == {"moe_prefill": 400, "matmul": 50}
 
 
+def _with_launches(trace, gpu_shift):
+    """Give every GPU activity a correlation id and a host-side launch call 1 µs before its GPU
+    start (in the host's clock), then move the GPU clock by `gpu_shift`."""
+    extra = []
+    for i, ev in enumerate(e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy")):
+        if ev.get("ph") != "X":
+            continue
+        ev["args"]["correlation"] = 1000 + i
+        cat = "cuda_driver" if i % 2 else "cuda_runtime"  # MAX launches through the driver API
+        extra.append({"ph": "X", "cat": cat, "name": "cuLaunchKernelEx", "ts": ev["ts"] - 1, "dur": 0.5,
+                      "args": {"correlation": 1000 + i}})  # fmt: skip
+        ev["ts"] += gpu_shift
+    trace["traceEvents"] += extra
+    return trace
+
+
+def test_steps_by_launch_calls_whatever_the_gpu_clock():
+    """Launch records place each kernel in the step that launched it, even with the GPU clock an
+    hour off (where start times place nothing and the gaps would have to be guessed)."""
+    trace = _with_launches(_trace(), gpu_shift=3.6e9)
+    assert len(sp.launch_times(trace)) == 2 + 2 * 14 + 1
+    events = sp.kernel_events(trace)
+    assert all(e.correlation is not None for e in events)
+    by_window, method = sp.assign_steps(events, sp.step_windows(trace), sp.launch_times(trace))
+    assert method == "launch"
+    assert sum(len(v) for v in by_window.values()) == 2 + 2 * 14  # the unprofiled step's launch is outside
+    _check_summary(sp.summarize(by_window, n_layers=2))
+
+
+def test_gaps_cut_between_every_step_that_ran():
+    """Without launch records or aligned clocks, the cuts fall between all the steps the profiler
+    saw: the unprofiled step between the two decode steps has its own window, so its kernel is
+    not mixed into a reported step."""
+    trace = _trace(shift=3.6e9)
+    trace["traceEvents"].append(_step("decode", 7, 11_400, 200))  # the unprofiled step, marked too
+    by_window, method = sp.assign_steps(sp.kernel_events(trace), sp.step_windows(trace), sp.launch_times(trace))
+    assert method == "gaps"
+    counts = {(w.phase, w.index): len(v) for w, v in by_window.items()}
+    assert counts == {("prefill", 0): 2, ("decode", 8): 14, ("decode", 7): 1, ("decode", 9): 14}
+
+
+def test_profiler_marks_every_step_from_the_first_chosen_one():
+    """torch's profiler on the CPU: the chosen steps and the unchosen ones between them get a range
+    (the gaps fallback needs them), nothing before the first chosen step or after the last."""
+    torch = pytest.importorskip("torch")
+    hook = sp.StepProfiler(torch, {("prefill", 0), ("decode", 2), ("decode", 3)})
+    for phase, index in [("prefill", 0), *(("decode", i) for i in range(6))]:
+        with hook(phase, index):
+            torch.ones(4).sum()
+    assert hook.prof is not None and not hook.left
+    windows = sp.step_windows(hook.trace())
+    assert [(w.phase, w.index) for w in windows] == [("prefill", 0), ("decode", 0), ("decode", 1), ("decode", 2),
+                                                     ("decode", 3)]  # fmt: skip
+
+
 def test_help_and_no_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         sp.main(["--help"])

@@ -594,7 +594,9 @@ def merge_only(args: argparse.Namespace) -> int:
     """Several runs' files (e.g. one device call each) -> one e2e_<gpu>_<date>.json and its table."""
     files = [json.loads(Path(f).read_text()) for f in args.merge]
     result = {k: files[0].get(k) for k in ("device", "date", "prompt_len", "output_len")}
-    result.update(commands=[f.get("command") for f in files], rows=[], runs={})
+    # a merged file lists its runs' commands under "commands": keep them, not a None
+    commands = [c for f in files for c in (f.get("commands") or [f.get("command")]) if c]
+    result.update(commands=list(dict.fromkeys(commands)), rows=[], runs={})
     for f in files:
         result["rows"] = merge_rows(result["rows"], f.get("rows", []))
         result["runs"].update(f.get("runs", {}))
