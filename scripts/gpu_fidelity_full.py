@@ -147,30 +147,25 @@ def main() -> int:
     result["runs"]["reference_float32_s"] = round(time.perf_counter() - t0, 1)
     result["routing"] = routing_balance(routed, model.spec.num_local_experts)
     print(f"reference router over {len(ids)} tokens: {result['routing']}", flush=True)
-    ref16, routed16 = reference_forward(ref_model, ids, "bfloat16")
-    floor = compare(ref16[args.prompt - 1 :], ref)
-    changes = [round(x, 4) for x in route_changes(routed16, routed).tolist()]
-    result["rows"].append({"encoding": "transformers-bfloat16", "part": "all", **floor.as_dict(),
-                           "route_changes_per_layer": changes})  # fmt: skip
-    print(f"transformers bf16 vs its float32 (noise floor): {floor}; top-4 changed per layer {changes}", flush=True)
-    if args.float64:  # the reference's own float32 rounding: what a correct float32 graph can differ by
+    def reference_row(net: object, encoding: str, dtype: str, label: str, base: bool = False) -> None:
+        """transformers in `dtype` against its float32 run (`base`: the float32 run against it, the
+        `dtype` run then being the reference): logit agreement and top-4 route changes per layer."""
         t0 = time.perf_counter()
-        ref64, routed64 = reference_forward(ref_model, ids, "float64")
-        result["runs"]["reference_float64_s"] = round(time.perf_counter() - t0, 1)
-        floor64 = compare(ref, ref64[args.prompt - 1 :])
-        changes = [round(x, 4) for x in route_changes(routed, routed64).tolist()]
-        result["rows"].append({"encoding": "transformers-float32-vs-float64", "part": "all", **floor64.as_dict(),
+        other, routed_other = reference_forward(net, ids, dtype)
+        result["runs"][f"reference_{dtype}_s"] = round(time.perf_counter() - t0, 1)
+        other = other[args.prompt - 1 :]
+        agreement = compare(ref, other) if base else compare(other, ref)
+        changes = [round(x, 4) for x in route_changes(routed_other, routed).tolist()]
+        result["rows"].append({"encoding": encoding, "part": "all", **agreement.as_dict(),
                                "route_changes_per_layer": changes})  # fmt: skip
-        print(f"transformers float32 vs its float64: {floor64}; top-4 changed per layer {changes}", flush=True)
-        del ref64
+        print(f"{label}: {agreement}; top-4 changed per layer {changes}", flush=True)
+
+    reference_row(ref_model, "transformers-bfloat16", "bfloat16", "transformers bf16 vs its float32 (noise floor)")
+    if args.float64:  # the reference's own float32 rounding: what a correct float32 graph can differ by
+        label = "transformers float32 vs its float64"
+        reference_row(ref_model, "transformers-float32-vs-float64", "float64", label, base=True)
     if args.tf32 and device == "cuda":  # the size of the gap TF32 matmuls alone open
-        tf, routed_tf = reference_forward(ref_model, ids, "tensorfloat32")
-        gap = compare(tf[args.prompt - 1 :], ref)
-        changes = [round(x, 4) for x in route_changes(routed_tf, routed).tolist()]
-        result["rows"].append({"encoding": "transformers-tf32-vs-float32", "part": "all", **gap.as_dict(),
-                               "route_changes_per_layer": changes})  # fmt: skip
-        print(f"transformers TF32 vs its float32: {gap}; top-4 changed per layer {changes}", flush=True)
-        del tf
+        reference_row(ref_model, "transformers-tf32-vs-float32", "tensorfloat32", "transformers TF32 vs its float32")
     del ref_model
     if device == "cuda":
         torch.cuda.empty_cache()
