@@ -47,7 +47,7 @@ def test_split_is_float32_accurate_under_tf32():
     f32 = (x @ w.T).astype(np.float64)  # what a float32 matmul (transformers with TF32 off) gives
     report("exact f32", f"max rel err: plain TF32 {err(plain):.2e}, split {err(split):.2e}, float32 {err(f32):.2e}")
     assert err(plain) > 1e-5  # TF32 alone: ~2^-11 per operand, partly averaged out over K
-    assert err(split) <= 2.0**-20  # the bound in exact_f32.py's docstring
+    assert err(split) <= 2.0**-19  # the per-operand bound in exact_f32.py's docstring
     assert err(split) < min(err(plain) / 100, 4 * err(f32))  # TF32's error gone: float32's order
 
 
