@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gptoss_max.kernels.reference import round_to_bf16 as bf16
 from reporting import report
 
 
@@ -14,13 +15,6 @@ def tf32(a: np.ndarray) -> np.ndarray:
     """float32 -> TF32 as the tensor cores read it: the 13 low mantissa bits dropped."""
     bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     return (bits & np.uint32(0xFFFFE000)).view(np.float32)
-
-
-def bf16(a: np.ndarray) -> np.ndarray:
-    """float32 rounded to the nearest bf16 (ties to even), kept as float32."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.astype(np.uint32).view(np.float32)
 
 
 def _case(seed: int, t: int = 64, k: int = 2880, n: int = 256):

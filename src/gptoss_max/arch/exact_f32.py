@@ -11,8 +11,8 @@ exact in TF32; split the activations x = hi + lo with hi = x rounded to bf16 (ex
 lo = x - hi (exact in float32, |lo| <= 2^-9 |x|). Then x W^T = hi W^T + lo W^T, where the first
 product is exact up to float32 accumulation and the second loses at most TF32's rounding of lo
 (11 significant bits, even if truncated: 2^-10 |lo| <= 2^-19 |x| per operand): float32-level
-accuracy from two TF32 matmuls. On a CPU (float32 matmuls
-in float32) the split changes nothing but costs a second matmul, so only GPU graphs take it.
+accuracy from two TF32 matmuls. On a CPU (float32 matmuls in float32) the split changes nothing
+but costs a second matmul, so only GPU graphs take it.
 """
 
 from __future__ import annotations
