@@ -60,15 +60,25 @@ comptime GATE_UP_WARPS_FEW = 2
 comptime DOWN_WARPS_FEW = 2
 comptime DOWN_KSPLIT_FEW = 2  # both warps of a few-token down block share one tile
 comptime WARPS_MANY = 4
-# Resident warps per SM the register budget is held to (ptxas: <= 170 registers):
-# a one-token step's 1440 gate_up / down warps then run in one wave on 132 SMs.
-comptime MIN_WARPS_PER_SM = 12
+# Resident warps per SM the register budget is held to. Few-token blocks: 12
+# (<= 168 registers): a one-token step's 1440 gate_up / down warps then run in
+# one wave on 132 SMs. Many-token blocks: 16 (<= 128 registers), measured
+# faster at T = 8 and 64 and slower at T = 1 (bench/NOTES.md, v7d).
+comptime MIN_WARPS_PER_SM_FEW = 12
+comptime MIN_WARPS_PER_SM_MANY = 16
+
+
+def _min_blocks_per_sm(warps: Int) -> Int:
+    return (MIN_WARPS_PER_SM_MANY if warps >= WARPS_MANY else MIN_WARPS_PER_SM_FEW) // warps
+
 # Counters: one per 8 output rows (the op's counters tensor, ops.py), at least
 # one per down tile (16 rows or more).
 comptime COUNTER_TILE_ROWS = 8
 comptime TOK_PASS = 8
-# A batch is one 16-byte block per lane and row (rows g and g + 8).
-comptime DEPTH = 4  # batches in the ring: DEPTH - 1 in flight while one is decoded (even)
+# A batch is one 16-byte block per lane and row (rows g and g + 8). Fewer
+# loads in flight per warp measured faster (DEPTH 2 < 4 < 6 in time; a
+# shared-memory cp.async ring of 8 slowest: bench/NOTES.md, v7d/v8).
+comptime DEPTH = 2  # batches in the ring: DEPTH - 1 in flight while one is decoded (even)
 comptime RING = 2 * DEPTH
 comptime CHUNK_TOKENS = 64
 comptime MAX_TOPK = 4
@@ -403,7 +413,7 @@ def _tile16[
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
-@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MIN_WARPS_PER_SM // warps))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(_min_blocks_per_sm(warps)))
 def gate_up_kernel[
     x_dtype: DType, warps: Int
 ](
@@ -490,7 +500,7 @@ def gate_up_kernel[
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
-@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MIN_WARPS_PER_SM // warps))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(_min_blocks_per_sm(warps)))
 def down_kernel[
     out_dtype: DType, warps: Int, ksplit: Int
 ](
