@@ -34,6 +34,10 @@ class Case:
     inter: int
     routing: str = "random"  # random | busy | few | dropped (some ids -1 or E)
     x_scale: float = 1.0
+    # > 0: one down weight of that size in row 9, last column: its MXFP4 block
+    # gets a scale byte above 128 (two-multiply decode), in the second half
+    # of a 16-row tile and of I, which a one-token GPU down warp pair splits.
+    outlier: float = 0.0
 
 
 CASES = [
@@ -45,6 +49,7 @@ CASES = [
     Case("t77_clamped", 77, 8, 4, 128, 64, x_scale=4.0),
     Case("top1", 9, 4, 1, 64, 32),
     Case("dropped_slots", 11, 8, 4, 64, 64, routing="dropped"),
+    Case("one_token_big_scale", 1, 8, 4, 64, 64, outlier=40.0),
 ]
 
 @dataclass
@@ -175,6 +180,8 @@ def _make_inputs(case: Case, seed: int = 0):
     weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     gate_up = rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)
     down = rng.standard_normal((e, h, i)) / np.sqrt(i)
+    if case.outlier:
+        down[:, 9, -1] = case.outlier
     gate_up_bias = 0.5 * rng.standard_normal((e, 2 * i))
     down_bias = 0.5 * rng.standard_normal((e, h))
     f32 = np.float32

@@ -386,14 +386,15 @@ def _tile16[
     s_g: Pointer[UInt8, _],
     s_g8: Pointer[UInt8, _],
     s_tile: Pointer[UInt8, _],
-    tile_rows: Int,
+    tile_scale_bytes: Int,
     nchunks: Int,
     brow: Pointer[UInt32, _],
     lo_off: Int,
 ) -> SIMD[DType.float32, 4]:
     """One warp: D[row, token] for a 16-row tile (this lane's rows g and
     g + 8: w_g/s_g, w_g8/s_g8, clamped to a real row when out of range; the
-    tile's scale rows at s_tile, tile_rows of them real) and up to 8 tokens
+    tile's real scale rows at s_tile: tile_scale_bytes bytes, every block of
+    those rows, wherever this warp's nchunks blocks start) and up to 8 tokens
     (this lane serves token g: brow). Lane (g, q) reads the blocks q, q + 4,
     ... of its two rows, one per batch, DEPTH - 1 batches ahead. Returns
     this lane's fragment: rows g (c0, c1) and g + 8 (c2, c3), tokens 2q and
@@ -407,7 +408,7 @@ def _tile16[
             _load_batch[i](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, i, q)
     # Scales above 128 are rare: one check per tile while the first batches
     # load, then a loop specialised either way.
-    if _any_scale_above_128(s_tile, tile_rows * nchunks):
+    if _any_scale_above_128(s_tile, tile_scale_bytes):
         return _tile_loop[amode, True](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, brow, lo_off)
     return _tile_loop[amode, False](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, brow, lo_off)
 
@@ -475,7 +476,7 @@ def gate_up_kernel[
         var p = Int(plist[first + g]) if has_tok else 0
         var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
         comptime amode = A_F32 if split else A_BF16
-        var acc = _tile16[amode](w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0), nchunks, xrow, 0)
+        var acc = _tile16[amode](w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, nchunks, xrow, 0)
         # Rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4: the
         # even lane keeps token 2q, the odd one token 2q + 1.
         var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
@@ -579,7 +580,15 @@ def down_kernel[
         var hrow = hw.unsafe_offset(p * inter + kc0 * 16)
         comptime amode = A_WORDS_SPLIT if split else A_WORDS
         var acc = _tile16[amode](
-            w_a + kc0 * 4, w_b + kc0 * 4, s_a + kc0, s_b + kc0, s_tile, min(16, hidden - r0), nloc, hrow, inter // 2
+            w_a + kc0 * 4,
+            w_b + kc0 * 4,
+            s_a + kc0,
+            s_b + kc0,
+            s_tile,
+            min(16, hidden - r0) * nchunks,  # all the tile's scales: a k-split warp's blocks
+            nloc,  # are not contiguous in the HF layout, so scan them all
+            hrow,
+            inter // 2,
         )
         comptime if ksplit > 1:
             var mine = red + (Int(warp_id()) * 32 + lane) * 4
