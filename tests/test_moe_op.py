@@ -52,6 +52,7 @@ CASES = [
     Case("one_token_big_scale", 1, 8, 4, 64, 64, outlier=40.0),
 ]
 
+
 @dataclass
 class Target:
     """A device with its session; graphs built for it compile on first use."""
@@ -72,7 +73,7 @@ class Target:
         start = time.perf_counter()
         graph = Graph(f"{name}_{self.name}", forward=forward, input_types=input_types)
         model = self.session.load(graph)
-        report('moe op fidelity', f"compile {name} ({self.name}): {time.perf_counter() - start:.1f} s")
+        report("moe op fidelity", f"compile {name} ({self.name}): {time.perf_counter() - start:.1f} s")
         return model
 
     def run(self, model, *arrays: np.ndarray) -> list[np.ndarray]:
@@ -201,7 +202,7 @@ def _check(case: Case, label: str, out: np.ndarray, ref: np.ndarray, tol: float,
     assert np.isfinite(out).all(), f"{label}: non-finite output"
     rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     worst = float(np.abs(out - ref).max() / np.abs(ref).max())
-    report('moe op fidelity', f"{case.name:>13} {label:<15} rel {rel:.2e}  max|err|/max|ref| {worst:.2e}")
+    report("moe op fidelity", f"{case.name:>13} {label:<15} rel {rel:.2e}  max|err|/max|ref| {worst:.2e}")
     record(f"{label}_rel_err", rel)
     assert rel <= tol, f"{label}: relative error {rel:.3e} > {tol}"
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=label)
