@@ -294,9 +294,14 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
             busy = sum(e.dur_us for e in evs)
             span = (max(e.start_us + e.dur_us for e in evs) - min(e.start_us for e in evs)) if evs else 0.0
             per_step.append(
-                {"index": w.index, "wall_us": round(w.end_us - w.start_us, 1), "gpu_busy_us": round(busy, 1),
-                 "gpu_span_us": round(span, 1), "kernels": sum(e.kind == "kernel" for e in evs),
-                 "graph_kernels": sum(e.graph for e in evs)}  # fmt: skip
+                {
+                    "index": w.index,
+                    "wall_us": round(w.end_us - w.start_us, 1),
+                    "gpu_busy_us": round(busy, 1),
+                    "gpu_span_us": round(span, 1),
+                    "kernels": sum(e.kind == "kernel" for e in evs),
+                    "graph_kernels": sum(e.graph for e in evs),
+                }
             )
             for e in evs:
                 c = categorize(e.name, e.kind, e.block)
@@ -318,8 +323,14 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
                 "share": round(cat_us[c] / busy_total, 4),
             })  # fmt: skip
         kernels = [
-            {"name": name, "category": c, "us_per_step": round(sum(d) / n, 2), "calls_per_step": round(len(d) / n, 2),
-             "mean_us": round(sum(d) / len(d), 2), "share": round(sum(d) / busy_total, 4)}  # fmt: skip
+            {
+                "name": name,
+                "category": c,
+                "us_per_step": round(sum(d) / n, 2),
+                "calls_per_step": round(len(d) / n, 2),
+                "mean_us": round(sum(d) / len(d), 2),
+                "share": round(sum(d) / busy_total, 4),
+            }
             for (name, c), d in names.items()
         ]
         kernels.sort(key=lambda r: -r["us_per_step"])
@@ -553,9 +564,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
     p.add_argument("--steps", type=int, default=5, help="decode steps profiled (default 5)")
     p.add_argument("--warmup-steps", type=int, default=8, help="decode steps run before the profiled ones (default 8)")
-    p.add_argument(
-        "--no-prefill", dest="prefill", action="store_false", help="do not profile the first prefill step"
-    )
+    p.add_argument("--no-prefill", dest="prefill", action="store_false", help="do not profile the first prefill step")
     p.add_argument(
         "--graph-capture",
         choices=["off", "on"],
