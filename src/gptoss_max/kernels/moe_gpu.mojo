@@ -29,7 +29,7 @@
 #   decode order is used as is and the activations follow it.
 #
 # On the GPU, h ([T, K, I] f32 in the graph) is opaque to everything but
-# the two kernels: row t*K + k holds I bf16 in decode order (_h_slot), then
+# the two kernels: row t*K + k holds I bf16 in decode order (moe_common.h_slot), then
 # I bf16 remainders when the graph is float32.
 #
 # down writes per-(t, k) partials; the last block to finish a row tile
@@ -50,7 +50,7 @@ from std.collections import Array
 from std.memory import bitcast, stack_allocation
 from std.utils.static_tuple import StaticTuple
 
-from .moe_common import gptoss_swiglu
+from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
 
 # Warps per block (a 16-row tile per warp, or per ksplit warps in down). For
 # 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share
@@ -84,31 +84,6 @@ comptime CHUNK_TOKENS = 64
 comptime MAX_TOPK = 4
 comptime MAX_PAIRS = CHUNK_TOKENS * MAX_TOPK
 comptime MAX_EXPERTS = 256
-
-
-@always_inline
-def _h_slot(i: Int) -> Int:
-    """bf16 index of h element i in the decode-ordered layout the GPU
-    gate_up writes and down reads: block c = i / 32 holds 16 pair words in
-    decode order, pair p = 4w + s being elements (8w + 3 - s, 8w + 7 - s)
-    (see _decode_pair), low half first."""
-    var c = i >> 5
-    var e = i & 31
-    var w = e >> 3
-    var r = e & 7
-    var s = 3 - r if r < 4 else 7 - r
-    var half = 0 if r < 4 else 1
-    return 2 * (c * 16 + 4 * w + s) + half
-
-
-@always_inline
-def _decode_pair(v: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
-    """Nibbles 3 and 7 of v (low, high half) as bf16 times `mult`: sign to
-    bit 15, e2m1 magnitude bits (e1 e0 m) to bf16 bits 8..6, which is the
-    value times 2^-126 (code 1 lands on the bf16 subnormal 2^-127); then
-    one multiply by 2^(s-1) gives value * 2^(s-127) exactly (s <= 128)."""
-    var bits = (v & 0x80008000) | ((v >> 6) & 0x01C001C0)
-    return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](bits) * mult)
 
 
 @always_inline
@@ -210,13 +185,6 @@ def _load_a[
 
 
 @always_inline
-def _mult(sc: UInt32) -> SIMD[DType.bfloat16, 2]:
-    """2^(s-1) in both halves (exact for s <= 128)."""
-    var m = (sc + 126) << 7
-    return bitcast[DType.bfloat16, 2](m | (m << 16))
-
-
-@always_inline
 def _decode_block[
     big: Bool
 ](w: SIMD[DType.uint32, 4], sc: UInt32) -> SIMD[DType.uint32, 16]:
@@ -227,16 +195,16 @@ def _decode_block[
     comptime if big:
         var m2u = (max(sc, 128) - 1) << 7
         var mult2 = bitcast[DType.bfloat16, 2](m2u | (m2u << 16))
-        var mult1 = _mult(min(sc, 128))
+        var mult1 = scale_mult(min(sc, 128))
         comptime for w4 in range(4):
             comptime for s4 in range(4):
-                var d = _decode_pair(w[w4] << UInt32(4 * s4), mult1)
+                var d = decode_pair(w[w4] << UInt32(4 * s4), mult1)
                 pairs[4 * w4 + s4] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
     else:
-        var mult = _mult(sc)
+        var mult = scale_mult(sc)
         comptime for w4 in range(4):
             comptime for s4 in range(4):
-                pairs[4 * w4 + s4] = _decode_pair(w[w4] << UInt32(4 * s4), mult)
+                pairs[4 * w4 + s4] = decode_pair(w[w4] << UInt32(4 * s4), mult)
     return pairs
 
 
@@ -492,7 +460,7 @@ def gate_up_kernel[
                     var gate = gates[hh] + bias[unsafe_offset=e * rows + gr]
                     var up = ups[hh] + bias[unsafe_offset=e * rows + gr + 1]
                     var v = gptoss_swiglu(gate, up)
-                    var at = pt * 2 * inter + _h_slot(gr >> 1)
+                    var at = pt * 2 * inter + h_slot(gr >> 1)
                     var vb = v.cast[DType.bfloat16]()
                     hb[unsafe_offset=at] = vb
                     comptime if split:

@@ -16,7 +16,7 @@
 # the rows it shares a tile with, and combine sums in k order.
 #
 # Buffers (the ops' h [T, K, I] f32 is opaque on the GPU):
-#   h bytes [0, 2 P I)       sorted h, bf16 [P, I], decode-ordered (_h_slot)
+#   h bytes [0, 2 P I)       sorted h, bf16 [P, I], decode-ordered (moe_common.h_slot)
 #   h int32 words from P I/2 (meta):
 #     [0, E]                 expert offsets into the sorted order
 #     [E + 1, 2E + 1]        tile starts (BM-row tiles) per expert
@@ -62,7 +62,7 @@ from std.memory import bitcast, stack_allocation
 from std.sys import is_gpu
 from std.utils import StaticTuple
 
-from .moe_common import gptoss_swiglu
+from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
 
 comptime ROUTE_THREADS = 1024
 comptime PREFILL_MAX_EXPERTS = 256
@@ -171,32 +171,12 @@ def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: 
 
 
 @always_inline
-def h_slot(i: Int) -> Int:
-    """Position of h element i in a decode-ordered row: in each group of 8,
-    elements (3, 7, 2, 6, 1, 5, 0, 4) in that order."""
-    var r = i & 7
-    var s = 3 - r if r < 4 else 7 - r
-    return (i & ~7) + 2 * s + (0 if r < 4 else 1)
-
-
-@always_inline
-def decode_pair(v: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
-    """Nibbles 3 and 7 of v as a bf16 pair (low, high half) times `mult`:
-    the e2m1 sign to bit 15, magnitude bits (e1 e0 m) to bf16 bits 8..6,
-    i.e. the value times 2^-126; mult = 2^(s-1) makes it value * 2^(s-127)
-    exactly (s <= 128)."""
-    var bits = (v & 0x80008000) | ((v >> 6) & 0x01C001C0)
-    return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](bits) * mult)
-
-
-@always_inline
 def decode_word(w: UInt32, s: UInt32) -> SIMD[DType.uint32, 4]:
     """Elements 0..7 of a u32 of MXFP4 codes, scale byte s, as pair words
     (e3,e7) (e2,e6) (e1,e5) (e0,e4). Two multiplies when s > 128."""
     var out = SIMD[DType.uint32, 4](0)
     if s <= 128:
-        var m = (s + 126) << 7
-        var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
+        var mult = scale_mult(s)
         comptime for j in range(4):
             out[j] = decode_pair(w << UInt32(4 * j), mult)
     else:
@@ -448,8 +428,7 @@ def gemm_kernel[
             var r = wn0 + j * 8 + g
             var w = b32[unsafe_offset=stage * BN * 4 + r * 4 + q]
             if not big_any:
-                var m = (sc[j] + 126) << 7
-                var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
+                var mult = scale_mult(sc[j])
                 comptime for s4 in range(4):
                     bw[j][s4] = decode_pair(w << UInt32(4 * s4), mult)
             else:
