@@ -47,7 +47,9 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 @dataclass(frozen=True)
 class ExpertSet:
-    """One layer's experts as torch CUDA tensors, in the op's layout."""
+    """One layer's experts as torch tensors, in the op's layout (MXFP4 bytes in the tiled
+    order of gptoss_max.mxfp4.tile_for_op; random bytes, so MAX's stock dequant times the same
+    on them)."""
 
     gu_blocks: object  # [E, 2I, H/2] u8
     gu_scales: object  # [E, 2I, H/32] u8
@@ -106,14 +108,16 @@ def decode_mxfp4(torch, blocks, scales):
 
 def reference(torch, x, ids, w, s: ExpertSet):
     """float64 MoE: the independent semantics of gpt-oss's experts."""
+    from gptoss_max import mxfp4
+
     x64 = x.to(torch.float64)
     out = torch.zeros_like(x64)
     n_experts = s.gu_blocks.shape[0]
     for e in torch.unique(ids).tolist():
         if not 0 <= e < n_experts:
             continue
-        gu = decode_mxfp4(torch, s.gu_blocks[e], s.gu_scales[e])
-        dn = decode_mxfp4(torch, s.dn_blocks[e], s.dn_scales[e])
+        gu = decode_mxfp4(torch, *(a[0] for a in mxfp4.untile_from_op(s.gu_blocks[e : e + 1], s.gu_scales[e : e + 1])))
+        dn = decode_mxfp4(torch, *(a[0] for a in mxfp4.untile_from_op(s.dn_blocks[e : e + 1], s.dn_scales[e : e + 1])))
         t_idx, k_idx = (ids == e).nonzero(as_tuple=True)
         z = x64[t_idx] @ gu.T + s.gu_bias[e].to(torch.float64)
         gate = z[:, 0::2].clamp(max=7.0)

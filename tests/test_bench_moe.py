@@ -14,7 +14,6 @@ from script_loader import load_script
 torch = pytest.importorskip("torch")
 
 
-
 @pytest.fixture(scope="module")
 def bench():
     return load_script("bench/moe.py", "bench_moe")
@@ -33,16 +32,16 @@ def test_decode_matches_package_decoder_on_every_code_and_scale(bench):
 
 def test_reference_matches_numpy_reference(bench):
     gen = torch.Generator().manual_seed(3)
-    experts, hidden, inter, tokens = 6, 64, 96, 9
+    experts, hidden, inter, tokens = 6, 64, 128, 9
     s = bench.make_set(torch, experts, hidden, inter, gen, "cpu")
     ids, w = bench.routing(torch, tokens, experts, gen, "cpu")
     ids[2, 1] = -1  # a dropped slot contributes nothing in both
     x = torch.randn(tokens, hidden, generator=gen)
     got = bench.reference(torch, x, ids, w, s)
+    gub, gus = mxfp4.untile_from_op(s.gu_blocks.numpy(), s.gu_scales.numpy())  # the set is in the op's layout
+    dnb, dns = mxfp4.untile_from_op(s.dn_blocks.numpy(), s.dn_scales.numpy())
     want = reference.moe_mxfp4(
-        x.numpy(), ids.numpy(), w.numpy(),
-        s.gu_blocks.numpy(), s.gu_scales.numpy(), s.gu_bias.numpy(),
-        s.dn_blocks.numpy(), s.dn_scales.numpy(), s.dn_bias.numpy(),
+        x.numpy(), ids.numpy(), w.numpy(), gub, gus, s.gu_bias.numpy(), dnb, dns, s.dn_bias.numpy(),
     )  # fmt: skip
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-9 * np.abs(want).max())

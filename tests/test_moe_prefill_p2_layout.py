@@ -25,7 +25,7 @@ THREADS, BN, NKB = 128 * NWG, 64 * NWG, K // 64
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
-    P2_BK, a_pair_sel, p2_acc_gate, p2_acc_up, p2_b_src, p2_mults, p2_nt_variant, p2_row0, p2_s_row,
+    P2_BK, P2_B_STRIDE, a_pair_sel, p2_acc_gate, p2_acc_up, p2_b_src, p2_mults, p2_nt_variant, p2_row0, p2_s_row,
     p2_scale_bytes, p2_scale_shift, p2_scale_window, p2_stage_bytes, p2_step_frag, p2_x_dst, p2_x_row,
     packed_unit, wgmma_desc_sw128,
 )
@@ -88,7 +88,7 @@ def main() raises:
                         var v = x[src + j]
                         smem[st + p2_x_dst(tid, u, THREADS) + 2 * j] = UInt8(v & 0xFF)
                         smem[st + p2_x_dst(tid, u, THREADS) + 2 * j + 1] = UInt8(v >> 8)
-            var b = p2_b_src(0, BN, 0, tid, K) + kb * 32
+            var b = p2_b_src(0, BN, 0, tid, K) + kb * P2_B_STRIDE
             for j in range(16):
                 smem[st + BM * 128 + packed_unit(tid) * 16 + j] = codes[b + j]
             if tid < BN:
@@ -191,8 +191,9 @@ def _b_operand(smem: np.ndarray, desc: int, n: int, swizzle=_swizzle128) -> np.n
 def _replay(probe: dict, swizzle=_swizzle128) -> tuple[np.ndarray, np.ndarray]:
     """(D as the epilogue reads it [rows, tokens], the reference W X^T)."""
     x = _bf16([v for _, v in sorted(probe["x"])]).reshape(NT, K)
-    codes = np.array([v for _, v in sorted(probe["c"])], dtype=np.uint8).reshape(BN, K // 32, 16)
-    scales = np.array([v for _, v in sorted(probe["s"])], dtype=np.uint8).reshape(BN, K // 32)
+    codes = np.array([v for _, v in sorted(probe["c"])], dtype=np.uint8).reshape(1, BN, K // 32, 16)
+    scales = np.array([v for _, v in sorted(probe["s"])], dtype=np.uint8).reshape(1, BN, K // 32)
+    codes, scales = (a[0] for a in mxfp4.untile_from_op(codes, scales))  # the op's tiled byte order
     w = mxfp4.decode(codes, scales).astype(np.float64).reshape(BN, K)
     src = np.minimum(np.arange(NT), ROWS_VALID - 1)
     ref = w @ x[src].T

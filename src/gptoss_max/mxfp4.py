@@ -48,3 +48,60 @@ def encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = idx | np.where(np.signbit(scaled) & (idx > 0), 8, 0).astype(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return blocks, (exp + E8M0_BIAS).astype(np.uint8)
+
+
+# The MoE op's layout ("tiled"): per expert, rows in tiles of 16 and blocks in
+# pairs, `[rows/16][nb/2][16 rows][2 blocks x 16 bytes]` and scales
+# `[rows/16][nb/2][16 rows][2]`, in tensors of the checkpoint's shapes
+# (`[E, rows, nb * 16]`, `[E, rows, nb]`). A GPU decode warp's step then reads
+# 1 KB of contiguous bytes (whole 128-byte lines) instead of 16 pieces of 64
+# bytes, and the prefill kernels keep 32 contiguous bytes per row and k-step
+# (bench/NOTES.md, "v8 and the layout probe").
+TILE_ROWS = 16
+
+
+def check_tileable(rows: int, n_blocks: int) -> None:
+    if rows % TILE_ROWS or n_blocks % 2:
+        raise ValueError(
+            f"the MoE op's tiled MXFP4 layout needs rows % {TILE_ROWS} == 0 and an even number of "
+            f"32-element blocks per row (K % 64 == 0); got rows {rows}, blocks {n_blocks}"
+        )
+
+
+def _permute(a, axes):
+    return a.permute(*axes) if hasattr(a, "permute") else a.transpose(*axes)
+
+
+def _contig(a):
+    return a.contiguous() if hasattr(a, "contiguous") else np.ascontiguousarray(a)
+
+
+def _tile(a, rows: int, nb: int, unit: int, inverse: bool):
+    e = int(a.shape[0])
+    check_tileable(rows, nb)
+    t = rows // TILE_ROWS
+    src = (e, t, nb // 2, TILE_ROWS, 2 * unit) if inverse else (e, t, TILE_ROWS, nb // 2, 2 * unit)
+    return _contig(_permute(a.reshape(*src), (0, 1, 3, 2, 4))).reshape(a.shape)
+
+
+def tile_blocks(blocks, inverse: bool = False):
+    """`blocks [E, rows, nb, 16]` or `[E, rows, nb * 16]` u8 (NumPy or torch) between the
+    checkpoint's layout and the op's tiled one (`inverse`: back), same shape."""
+    rows = int(blocks.shape[1])
+    nb = int(blocks.shape[2]) if blocks.ndim == 4 else int(blocks.shape[2]) // (BLOCK // 2)
+    return _tile(blocks, rows, nb, BLOCK // 2, inverse)
+
+
+def tile_scales(scales, inverse: bool = False):
+    """`scales [E, rows, nb]` u8 between the checkpoint's layout and the op's tiled one."""
+    return _tile(scales, int(scales.shape[1]), int(scales.shape[2]), 1, inverse)
+
+
+def tile_for_op(blocks, scales):
+    """Checkpoint layout -> the MoE op's tiled layout, both tensors (shapes kept)."""
+    return tile_blocks(blocks), tile_scales(scales)
+
+
+def untile_from_op(blocks, scales):
+    """Inverse of `tile_for_op`."""
+    return tile_blocks(blocks, inverse=True), tile_scales(scales, inverse=True)

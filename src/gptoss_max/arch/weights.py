@@ -12,6 +12,7 @@ from max.dtype import DType
 from max.graph.type import Shape
 from max.graph.weights import WeightData
 
+from gptoss_max import mxfp4
 from gptoss_max.checkpoint import BF16, F32, U8, validate
 from gptoss_max.config import ModelSpec
 
@@ -26,8 +27,8 @@ _PREFIXES = [
 _EXPERTS = {
     "gate_up_proj_blocks": ("gate_up_blocks", "blocks"),
     "down_proj_blocks": ("down_blocks", "blocks"),
-    "gate_up_proj_scales": ("gate_up_scales", "raw"),
-    "down_proj_scales": ("down_scales", "raw"),
+    "gate_up_proj_scales": ("gate_up_scales", "scales"),
+    "down_proj_scales": ("down_scales", "scales"),
     "gate_up_proj_bias": ("gate_up_bias", "f32"),
     "down_proj_bias": ("down_bias", "f32"),
     "gate_up_proj": ("gate_up_weight", "transpose"),
@@ -56,11 +57,12 @@ def _convert(name: str, data: WeightData, dtype: DType) -> WeightData:
         return dataclasses.replace(data.astype(dtype), name=name)
     new_suffix, kind = _EXPERTS[suffix]
     new_name = f"{head}.{new_suffix}"
+    # MXFP4 experts: into the MoE op's tiled byte order (mxfp4.tile_for_op), same shapes.
     if kind == "blocks":  # [E, rows, nb, 16] -> [E, rows, nb * 16]
-        arr = np.from_dlpack(data.data)
+        arr = mxfp4.tile_blocks(np.from_dlpack(data.data))
         return _from_numpy(arr.reshape(*arr.shape[:2], -1), new_name)
-    if kind == "raw":
-        return dataclasses.replace(data, name=new_name)
+    if kind == "scales":
+        return _from_numpy(mxfp4.tile_scales(np.from_dlpack(data.data)), new_name)
     f32 = np.from_dlpack(data.astype(DType.float32).data)
     if kind == "f32":
         return _from_numpy(f32, new_name)

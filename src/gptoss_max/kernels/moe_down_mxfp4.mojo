@@ -6,7 +6,7 @@ from std.utils.coord import Coord
 
 from .moe_gpu import CHUNK_TOKENS, launch_down, n_counters
 from .moe_prefill_gpu import launch_prefill_down, prefill_choice
-from .mxfp4 import MXFP4_BLOCK, mxfp4_row_dot
+from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
 
 
 @extensibility.register("gptoss_moe_down_mxfp4")
@@ -18,8 +18,9 @@ struct MoeDownMxfp4:
       h            [T, K, I] f32        from gptoss_moe_gate_up_*
       topk_ids     [T, K]  int32 (ids outside [0, E) contribute nothing)
       topk_weights [T, K]  f32
-      blocks       [E, H, I/2]  u8
-      scales       [E, H, I/32] u8
+      blocks       [E, H, I/2]  u8   tiled order (mxfp4.mojo, tiled_block_offset):
+                                     H % 16 == 0, I % 64 == 0
+      scales       [E, H, I/32] u8   tiled order (tiled_scale_offset)
       bias         [E, H]  f32
       counters     [ceil(H / 8)] u32   from gptoss_moe_gate_up_mxfp4 (zeroed)
       partial      [T, K, H] f32        scratch output of the GPU path
@@ -59,6 +60,8 @@ struct MoeDownMxfp4:
         var top_k = topk_ids.dim_size[1]()
         if counters.dim_size[0]() != n_counters(hidden):
             raise Error("gptoss_moe_down_mxfp4: counters must be ceil(H / 8) long")
+        if hidden % TILE_ROWS != 0 or inter % (2 * MXFP4_BLOCK) != 0:
+            raise Error("gptoss_moe_down_mxfp4: the tiled layout needs H % 16 == 0 and I % 64 == 0")
 
         comptime if target == "gpu":
             var tokens = output.dim_size[0]()
@@ -121,9 +124,10 @@ struct MoeDownMxfp4:
                 var hrow = hp.unsafe_offset((t * top_k + k) * inter)
                 comptime for w in range(width):
                     var row = e * hidden + i2[1] + w
-                    var y = mxfp4_row_dot(
-                        bp.unsafe_offset(row * (inter // 2)),
-                        sp.unsafe_offset(row * (inter // MXFP4_BLOCK)),
+                    var y = mxfp4_tiled_row_dot(
+                        bp.unsafe_offset(e * hidden * (inter // 2)),
+                        sp.unsafe_offset(e * hidden * (inter // MXFP4_BLOCK)),
+                        i2[1] + w,
                         hrow,
                         inter,
                     )

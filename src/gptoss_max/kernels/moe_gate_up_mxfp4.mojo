@@ -7,7 +7,7 @@ from std.utils.coord import Coord
 from .moe_common import gptoss_swiglu
 from .moe_gpu import CHUNK_TOKENS, launch_gate_up, n_counters
 from .moe_prefill_gpu import launch_prefill_gate_up, prefill_choice
-from .mxfp4 import MXFP4_BLOCK, mxfp4_row_dot
+from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
 
 
 @extensibility.register("gptoss_moe_gate_up_mxfp4")
@@ -18,8 +18,10 @@ struct MoeGateUpMxfp4:
       output   [T, K, I] f32   h[t, k] for expert topk_ids[t, k]
       x        [T, H]    bf16 | f32
       topk_ids [T, K]    int32 (ids outside [0, E) give h = 0)
-      blocks   [E, 2I, H/2]  u8   rows interleaved: gate = 2i, up = 2i + 1
-      scales   [E, 2I, H/32] u8
+      blocks   [E, 2I, H/2]  u8   rows interleaved: gate = 2i, up = 2i + 1;
+                                  bytes in the tiled order (mxfp4.mojo,
+                                  tiled_block_offset): 2I % 16 == 0, H % 64 == 0
+      scales   [E, 2I, H/32] u8   tiled order (tiled_scale_offset)
       bias     [E, 2I]   f32
       counters [ceil(H / 8)] u32   zeroed here for gptoss_moe_down_mxfp4
                                     of the same step (GPU path's tile
@@ -57,6 +59,8 @@ struct MoeGateUpMxfp4:
         var n_count = counters.dim_size[0]()
         if n_count != n_counters(hidden):
             raise Error("gptoss_moe_gate_up_mxfp4: counters must be ceil(H / 8) long")
+        if rows % TILE_ROWS != 0 or hidden % (2 * MXFP4_BLOCK) != 0:
+            raise Error("gptoss_moe_gate_up_mxfp4: the tiled layout needs 2I % 16 == 0 and H % 64 == 0")
 
         comptime if target == "gpu":
             var tokens = x.dim_size[0]()
@@ -116,19 +120,12 @@ struct MoeGateUpMxfp4:
                 return res
             var xrow = xp.unsafe_offset(t * hidden)
             comptime for w in range(width):
-                var gate_row = e * rows + 2 * (i3[2] + w)
-                var gate = mxfp4_row_dot(
-                    bp.unsafe_offset(gate_row * (hidden // 2)),
-                    sp.unsafe_offset(gate_row * (hidden // MXFP4_BLOCK)),
-                    xrow,
-                    hidden,
-                )
-                var up = mxfp4_row_dot(
-                    bp.unsafe_offset((gate_row + 1) * (hidden // 2)),
-                    sp.unsafe_offset((gate_row + 1) * (hidden // MXFP4_BLOCK)),
-                    xrow,
-                    hidden,
-                )
+                var r = 2 * (i3[2] + w)
+                var gate_row = e * rows + r
+                var eb = bp.unsafe_offset(e * rows * (hidden // 2))
+                var es = sp.unsafe_offset(e * rows * (hidden // MXFP4_BLOCK))
+                var gate = mxfp4_tiled_row_dot(eb, es, r, xrow, hidden)
+                var up = mxfp4_tiled_row_dot(eb, es, r + 1, xrow, hidden)
                 res[w] = gptoss_swiglu(
                     gate + biasp[unsafe_offset=gate_row],
                     up + biasp[unsafe_offset=gate_row + 1],

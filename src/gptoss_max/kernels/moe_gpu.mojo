@@ -209,6 +209,19 @@ def _decode_block[
 
 
 @always_inline
+def _tiled_words(c: Int) -> Int:
+    """32-bit words from a row's block 0 to its block c in the tiled layout
+    (mxfp4.mojo tiled_block_offset: pairs of blocks 512 bytes apart)."""
+    return (c >> 1) * 128 + (c & 1) * 4
+
+
+@always_inline
+def _tiled_scale(c: Int) -> Int:
+    """Bytes from a row's scale 0 to its scale c (tiled_scale_offset)."""
+    return (c >> 1) * 32 + (c & 1)
+
+
+@always_inline
 def _load_batch[
     slot: Int
 ](
@@ -218,6 +231,7 @@ def _load_batch[
     w_g8: Pointer[UInt32, _],
     s_g: Pointer[UInt8, _],
     s_g8: Pointer[UInt8, _],
+    c0: Int,
     nchunks: Int,
     batch: Int,
     q: Int,
@@ -231,10 +245,10 @@ def _load_batch[
     var c = min(4 * batch + q, nchunks - 1)
     # Streamed once: kept out of L1, which holds the activations.
     comptime na = CacheEviction.NO_ALLOCATE
-    wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + c * 4)
-    wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + c * 4)
-    sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + c))
-    sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + c))
+    wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + _tiled_words(c0 + c))
+    wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + _tiled_words(c0 + c))
+    sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + _tiled_scale(c0 + c)))
+    sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + _tiled_scale(c0 + c)))
 
 
 @always_inline
@@ -315,6 +329,7 @@ def _tile_loop[
     w_g8: Pointer[UInt32, _],
     s_g: Pointer[UInt8, _],
     s_g8: Pointer[UInt8, _],
+    c0: Int,
     nchunks: Int,
     brow: Pointer[UInt32, _],
     lo_off: Int,
@@ -338,7 +353,7 @@ def _tile_loop[
         comptime for i in range(DEPTH):
             if bt + i < nb:
                 if bt + i + DEPTH - 1 < nb:
-                    _load_batch[(i + DEPTH - 1) % DEPTH](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, bt + i + DEPTH - 1, q)
+                    _load_batch[(i + DEPTH - 1) % DEPTH](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
                 bring[(i + 1) % 2] = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
                 _mma_batch[amode, big, i](wv, sv, acc0, acc1, bring[i % 2])
         bt += DEPTH
@@ -355,12 +370,14 @@ def _tile16[
     s_g8: Pointer[UInt8, _],
     s_tile: Pointer[UInt8, _],
     tile_scale_bytes: Int,
+    c0: Int,
     nchunks: Int,
     brow: Pointer[UInt32, _],
     lo_off: Int,
 ) -> SIMD[DType.float32, 4]:
     """One warp: D[row, token] for a 16-row tile (this lane's rows g and
-    g + 8: w_g/s_g, w_g8/s_g8, clamped to a real row when out of range; the
+    g + 8: w_g/s_g, w_g8/s_g8 at their block 0 in the tiled layout, clamped
+    to a real row when out of range; its blocks c0 .. c0 + nchunks - 1; the
     tile's real scale rows at s_tile: tile_scale_bytes bytes, every block of
     those rows, wherever this warp's nchunks blocks start) and up to 8 tokens
     (this lane serves token g: brow). Lane (g, q) reads the blocks q, q + 4,
@@ -373,12 +390,48 @@ def _tile16[
     var sv = Array[UInt32, RING](fill=0)
     comptime for i in range(DEPTH - 1):
         if i < nb:
-            _load_batch[i](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, i, q)
+            _load_batch[i](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, i, q)
     # Scales above 128 are rare: one check per tile while the first batches
     # load, then a loop specialised either way.
     if _any_scale_above_128(s_tile, tile_scale_bytes):
-        return _tile_loop[amode, True](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, brow, lo_off)
-    return _tile_loop[amode, False](wv, sv, w_g, w_g8, s_g, s_g8, nchunks, brow, lo_off)
+        return _tile_loop[amode, True](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, brow, lo_off)
+    return _tile_loop[amode, False](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, brow, lo_off)
+
+
+@always_inline
+def _tile_rows(
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    e: Int,
+    rows: Int,
+    r0: Int,
+    g: Int,
+    ok_a: Bool,
+    ok_b: Bool,
+    nchunks: Int,
+) -> Tuple[
+    Pointer[UInt32, ImmutAnyOrigin],
+    Pointer[UInt32, ImmutAnyOrigin],
+    Pointer[UInt8, ImmutAnyOrigin],
+    Pointer[UInt8, ImmutAnyOrigin],
+    Pointer[UInt8, ImmutAnyOrigin],
+]:
+    """In expert e's tiled layout (rows % 16 == 0, 16-row tile at r0): block 0
+    of this lane's rows g and g + 8 (row 0 of the tile where out of range:
+    never stored), their scale 0, and the tile's scales (16 * nchunks
+    contiguous bytes)."""
+    var tile = e * (rows // 16) + r0 // 16
+    var wb = blocks.unsafe_offset(tile * nchunks * 256)
+    var sb = scales.unsafe_offset(tile * nchunks * 16)
+    var ga = g if ok_a else 0
+    var gb = g + 8 if ok_b else 0
+    return (
+        wb.unsafe_offset(ga * 32).unsafe_bitcast[UInt32](),
+        wb.unsafe_offset(gb * 32).unsafe_bitcast[UInt32](),
+        sb.unsafe_offset(ga * 2),
+        sb.unsafe_offset(gb * 2),
+        sb,
+    )
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
@@ -428,13 +481,12 @@ def gate_up_kernel[
     var q = lane & 3
     var ok_a = r0 + g < rows
     var ok_b = r0 + g + 8 < rows
-    var ea = e * rows + (r0 + g if ok_a else 0)
-    var eb = e * rows + (r0 + g + 8 if ok_b else 0)
-    var w_a = blocks.unsafe_offset(ea * (hidden // 2)).unsafe_bitcast[UInt32]()
-    var w_b = blocks.unsafe_offset(eb * (hidden // 2)).unsafe_bitcast[UInt32]()
-    var s_a = scales.unsafe_offset(ea * nchunks)
-    var s_b = scales.unsafe_offset(eb * nchunks)
-    var s_tile = scales.unsafe_offset((e * rows + r0) * nchunks)
+    var rp = _tile_rows(blocks, scales, e, rows, r0, g, ok_a, ok_b, nchunks)
+    var w_a = rp[0]
+    var w_b = rp[1]
+    var s_a = rp[2]
+    var s_b = rp[3]
+    var s_tile = rp[4]
     # h rows as bf16: hi pair words (decode order), then lo (f32 graphs).
     var hb = h.unsafe_bitcast[BFloat16]()
     var odd = (g & 1) != 0
@@ -444,7 +496,7 @@ def gate_up_kernel[
         var p = Int(plist[first + g]) if has_tok else 0
         var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
         comptime amode = A_F32 if split else A_BF16
-        var acc = _tile16[amode](w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, nchunks, xrow, 0)
+        var acc = _tile16[amode](w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, 0, nchunks, xrow, 0)
         # Rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4: the
         # even lane keeps token 2q, the odd one token 2q + 1.
         var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
@@ -532,13 +584,12 @@ def down_kernel[
     var q = lane & 3
     var ok_a = r0 + g < hidden
     var ok_b = r0 + g + 8 < hidden
-    var ea = e * hidden + (r0 + g if ok_a else 0)
-    var eb = e * hidden + (r0 + g + 8 if ok_b else 0)
-    var w_a = blocks.unsafe_offset(ea * (inter // 2)).unsafe_bitcast[UInt32]()
-    var w_b = blocks.unsafe_offset(eb * (inter // 2)).unsafe_bitcast[UInt32]()
-    var s_a = scales.unsafe_offset(ea * nchunks)
-    var s_b = scales.unsafe_offset(eb * nchunks)
-    var s_tile = scales.unsafe_offset((e * hidden + r0) * nchunks)
+    var rp = _tile_rows(blocks, scales, e, hidden, r0, g, ok_a, ok_b, nchunks)
+    var w_a = rp[0]
+    var w_b = rp[1]
+    var s_a = rp[2]
+    var s_b = rp[3]
+    var s_tile = rp[4]
     var hw = h.unsafe_bitcast[UInt32]()
     var first = 0
     while first < npairs_e:
@@ -548,13 +599,14 @@ def down_kernel[
         var hrow = hw.unsafe_offset(p * inter + kc0 * 16)
         comptime amode = A_WORDS_SPLIT if split else A_WORDS
         var acc = _tile16[amode](
-            w_a + kc0 * 4,
-            w_b + kc0 * 4,
-            s_a + kc0,
-            s_b + kc0,
+            w_a,
+            w_b,
+            s_a,
+            s_b,
             s_tile,
-            min(16, hidden - r0) * nchunks,  # all the tile's scales: a k-split warp's blocks
-            nloc,  # are not contiguous in the HF layout, so scan them all
+            min(16, hidden - r0) * nchunks,  # all the tile's scales (one contiguous run)
+            kc0,
+            nloc,
             hrow,
             inter // 2,
         )

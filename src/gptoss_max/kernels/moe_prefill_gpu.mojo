@@ -63,6 +63,7 @@ from std.sys import is_gpu
 from std.utils import StaticTuple
 
 from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
+from .mxfp4 import tiled_block_offset, tiled_scale_offset
 
 comptime ROUTE_THREADS = 1024
 comptime PREFILL_MAX_EXPERTS = 256
@@ -301,7 +302,8 @@ def _issue[
     kb: Int,
 ):
     """cp.async of stage `stage` <- MXFP4 block kb: A [BM][32] bf16, B [BN][16]
-    bytes, and per weight row the aligned 4 scale bytes holding block kb's."""
+    bytes, and per weight row the aligned 4 scale bytes holding block kb's
+    (b_off / s_off: the row's block 0 and scale 0 in the tiled layout)."""
     comptime A_CHUNKS = BM * 4
     comptime for u in range(A_PER_T):
         var c = tid + u * THREADS
@@ -312,11 +314,15 @@ def _issue[
             )
     if tid < BN:
         async_copy[16](
-            blocks.unsafe_offset(b_off + kb * 16).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            blocks.unsafe_offset(b_off + tiled_block_offset(0, kb, 0)).unsafe_address_space_cast[
+                AddressSpace.GLOBAL
+            ](),
             b_sm.unsafe_offset(stage * BN * 16 + tid * 16),
         )
         async_copy[4](
-            scales.unsafe_offset((s_off + kb) & ~3).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            scales.unsafe_offset((s_off + tiled_scale_offset(0, kb, 0)) & ~3).unsafe_address_space_cast[
+                AddressSpace.GLOBAL
+            ](),
             s_sm.unsafe_offset(stage * BN * 4 + tid * 4),
         )
 
@@ -382,8 +388,8 @@ def gemm_kernel[
             src_row = Int(sorted[unsafe_offset=row0 + r]) // top_k
         a_off[u] = src_row * k_dim + (c & 3) * 8
     # weight rows past N load row N - 1 (their results are not stored)
-    var b_off = (e * n_rows + min(n0 + tid, n_rows - 1)) * (k_dim // 2)
-    var s_off = (e * n_rows + min(n0 + tid, n_rows - 1)) * nkb
+    var b_off = e * n_rows * (k_dim // 2) + tiled_block_offset(min(n0 + tid, n_rows - 1), 0, nkb)
+    var s_off = e * n_rows * nkb + tiled_scale_offset(min(n0 + tid, n_rows - 1), 0, nkb)
 
     comptime for s in range(STAGES - 1):
         if s < nkb:
@@ -400,10 +406,10 @@ def gemm_kernel[
     var acc = Array[SIMD[DType.float32, 4], MT * NT8](fill=0)
     var a32 = a_sm.unsafe_bitcast[UInt32]()
     var b32 = b_sm.unsafe_bitcast[UInt32]()
-    # scale byte of this lane's row j in its stage's 4-byte window: (off + kb) & 3
+    # scale byte of this lane's row j in its stage's 4-byte window: (off + kb's) & 3
     var s_row = Array[Int, NT8](fill=0)
     comptime for j in range(NT8):
-        s_row[j] = (e * n_rows + min(n0 + wn0 + j * 8 + g, n_rows - 1)) * nkb
+        s_row[j] = e * n_rows * nkb + tiled_scale_offset(min(n0 + wn0 + j * 8 + g, n_rows - 1), 0, nkb)
 
     for kb in range(nkb):
         async_copy_wait_group(Int32(STAGES - 2))
@@ -421,7 +427,7 @@ def gemm_kernel[
         var sc = Array[UInt32, NT8](fill=0)
         comptime for j in range(NT8):
             var r = wn0 + j * 8 + g
-            sc[j] = UInt32(s_sm[unsafe_offset=stage * BN * 4 + r * 4 + ((s_row[j] + kb) & 3)])
+            sc[j] = UInt32(s_sm[unsafe_offset=stage * BN * 4 + r * 4 + ((s_row[j] + tiled_scale_offset(0, kb, 0)) & 3)])
             big = big or sc[j] > 128
         var big_any = vote[DType.uint32](big) != 0
         comptime for j in range(NT8):
@@ -655,28 +661,35 @@ def p2_x_dst(tid: Int, u: Int, threads: Int) -> Int:
 
 @always_inline
 def p2_b_src(e: Int, n_rows: Int, n0: Int, tid: Int, k_dim: Int) -> Int:
-    """Byte offset in the code blocks of thread tid's packed unit at k block 0
-    (row tid >> 1 of the tile, clamped to the last row; 16-byte half tid & 1
-    of its 32 bytes per stage); + 32 per stage."""
-    return (e * n_rows + min(n0 + (tid >> 1), n_rows - 1)) * (k_dim // 2) + (tid & 1) * 16
+    """Byte offset in the code blocks (tiled layout) of thread tid's packed
+    unit at k block 0 (row tid >> 1 of the tile, clamped to the last row;
+    16-byte half tid & 1 of its 32 bytes per stage); + P2_B_STRIDE per stage."""
+    var row = min(n0 + (tid >> 1), n_rows - 1)
+    return e * n_rows * (k_dim // 2) + tiled_block_offset(row, 0, k_dim // 32) + (tid & 1) * 16
+
+
+# A stage's 64 k of a row are block pair kb: 512 bytes on in the tiled layout.
+comptime P2_B_STRIDE = 512
+comptime P2_S_STRIDE = 32
 
 
 @always_inline
 def p2_s_row(e: Int, n_rows: Int, n0: Int, r: Int, k_dim: Int) -> Int:
-    """Byte offset of tile row r's scale row (clamped to the last row)."""
-    return (e * n_rows + min(n0 + r, n_rows - 1)) * (k_dim // 32)
+    """Byte offset of tile row r's scale 0 (tiled layout; clamped to the last row)."""
+    return e * n_rows * (k_dim // 32) + tiled_scale_offset(min(n0 + r, n_rows - 1), 0, k_dim // 32)
 
 
 @always_inline
 def p2_scale_window(s_row: Int, kb: Int) -> Int:
-    """The aligned 4-byte window holding scale bytes 2kb, 2kb + 1 of a row."""
-    return (s_row + 2 * kb) & ~3
+    """The aligned 4-byte window holding scale bytes 2kb, 2kb + 1 of a row
+    (adjacent in the tiled layout)."""
+    return (s_row + P2_S_STRIDE * kb) & ~3
 
 
 @always_inline
 def p2_scale_shift(s_row: Int, kb: Int) -> UInt32:
     """Bit offset of scale byte 2kb in its window (byte 2kb + 1 follows)."""
-    return UInt32(8 * ((s_row + 2 * kb) & 3))
+    return UInt32(8 * ((s_row + P2_S_STRIDE * kb) & 3))
 
 
 @always_inline
@@ -744,7 +757,7 @@ def _p2_issue[
                 base.unsafe_offset(p2_x_dst(tid, u, THREADS)).unsafe_bitcast[BFloat16](),
             )
     async_copy[16](
-        blocks.unsafe_offset(b_off + kb * 32).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+        blocks.unsafe_offset(b_off + kb * P2_B_STRIDE).unsafe_address_space_cast[AddressSpace.GLOBAL](),
         base.unsafe_offset(BM * 128 + packed_unit(tid) * 16),
     )
     if tid < BN:

@@ -69,3 +69,44 @@ def mxfp4_row_dot[
             acc += mxfp4_value(byte & 0x0F, s) * x0
             acc += mxfp4_value(byte >> 4, s) * x1
     return acc
+
+
+# The MoE op's tiled expert layout (gptoss_max.mxfp4.tile_for_op): per expert,
+# [rows/16][nb/2][16 rows][2 blocks x 16 bytes], scales [rows/16][nb/2][16 rows][2].
+comptime TILE_ROWS = 16
+
+
+@always_inline
+def tiled_block_offset(r: Int, c: Int, nb: Int) -> Int:
+    """Byte offset, within an expert, of block c of row r (nb blocks per row)."""
+    return (r >> 4) * (nb * 256) + (c >> 1) * 512 + (r & 15) * 32 + (c & 1) * 16
+
+
+@always_inline
+def tiled_scale_offset(r: Int, c: Int, nb: Int) -> Int:
+    """Byte offset, within an expert, of the scale of block c of row r."""
+    return (r >> 4) * (nb * 16) + (c >> 1) * 32 + (r & 15) * 2 + (c & 1)
+
+
+@always_inline
+def mxfp4_tiled_row_dot[
+    dtype: DType
+](
+    blocks: Pointer[UInt8, _],
+    scales: Pointer[UInt8, _],
+    r: Int,
+    x: Pointer[Scalar[dtype], _],
+    n: Int,
+) -> Float32:
+    """mxfp4_row_dot of row r of one expert in the tiled layout (`blocks`,
+    `scales`: the expert's first byte; n elements per row)."""
+    var nb = n // MXFP4_BLOCK
+    var acc: Float32 = 0
+    for c in range(nb):
+        acc += mxfp4_row_dot(
+            blocks.unsafe_offset(tiled_block_offset(r, c, nb)),
+            scales.unsafe_offset(tiled_scale_offset(r, c, nb)),
+            x.unsafe_offset(c * MXFP4_BLOCK),
+            MXFP4_BLOCK,
+        )
+    return acc

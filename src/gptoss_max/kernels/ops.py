@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from max.dtype import DType
 from max.graph import DeviceRef, Dim, Graph, StaticDim, TensorType, TensorValue, ops
 
+from gptoss_max import mxfp4
 from gptoss_max.kernels import kernels_path
 
 if TYPE_CHECKING:
@@ -45,9 +46,7 @@ def _as(value: TensorValue, dtype: DType) -> TensorValue:
     return value if value.dtype == dtype else ops.cast(value, dtype)
 
 
-def _routing(
-    x: TensorValue, topk_ids: TensorValue, topk_weights: TensorValue
-) -> tuple[TensorValue, TensorValue]:
+def _routing(x: TensorValue, topk_ids: TensorValue, topk_weights: TensorValue) -> tuple[TensorValue, TensorValue]:
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
     if x.rank != 2 or topk_ids.rank != 2 or topk_weights.rank != 2:
@@ -73,9 +72,7 @@ def _run_moe(
     out_type = TensorType(x.dtype, x.shape, x.device)
     if kind != "mxfp4":
         h = ops.custom(f"gptoss_moe_gate_up_{kind}", x.device, [x, topk_ids, *gate_up], [h_type])[0].tensor
-        return ops.custom(
-            f"gptoss_moe_down_{kind}", x.device, [h, topk_ids, topk_weights, *down], [out_type]
-        )[0].tensor
+        return ops.custom(f"gptoss_moe_down_{kind}", x.device, [h, topk_ids, topk_weights, *down], [out_type])[0].tensor
     # The MXFP4 pair also passes tile counters (zeroed by gate_up) and a
     # per-(token, k) scratch for the GPU path's combine; see moe_gpu.mojo.
     # `path` picks the GPU kernel (moe_prefill_gpu.prefill_choice); both
@@ -107,7 +104,8 @@ def moe_mxfp4(
     x: TensorValue,  # [T, H] bf16 | f32
     topk_ids: TensorValue,  # [T, K] int32
     topk_weights: TensorValue,  # [T, K] f32, softmaxed over the top-k
-    gate_up_blocks: TensorValue,  # [E, 2I, H/2] u8, rows interleaved gate/up
+    gate_up_blocks: TensorValue,  # [E, 2I, H/2] u8, rows interleaved gate/up; MXFP4 bytes and scales
+    # in the tiled order of gptoss_max.mxfp4.tile_for_op (2I, H % 16; H, I % 64)
     gate_up_scales: TensorValue,  # [E, 2I, H/32] u8
     gate_up_bias: TensorValue,  # [E, 2I] f32
     down_blocks: TensorValue,  # [E, H, I/2] u8
@@ -126,6 +124,9 @@ def moe_mxfp4(
     _check_dim("down_blocks last dim", down_blocks.shape[2] * 4, rows)
     _check_dim("down_scales", down_scales.shape[2] * 64, rows)
     _check_dim("down_blocks experts", down_blocks.shape[0], n_experts)
+    for rows_dim, k_dim in ((rows, x.shape[1]), (down_blocks.shape[1], down_blocks.shape[2] * 2)):
+        if isinstance(rows_dim, StaticDim) and isinstance(k_dim, StaticDim):
+            mxfp4.check_tileable(int(rows_dim), int(k_dim) // mxfp4.BLOCK)
     return _run_moe(
         "mxfp4",
         x,

@@ -1,0 +1,73 @@
+"""The MoE op's tiled MXFP4 byte order (gptoss_max.mxfp4.tile_for_op): the element map the
+kernels index by (mxfp4.mojo tiled_block_offset / tiled_scale_offset), its inverse, its limits,
+and that the loader hands the op tiled experts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gptoss_max import mxfp4
+
+
+def _offsets(e, r, c, rows, nb):
+    """The kernels' formulas (mxfp4.mojo), restated: byte of block c of row r, and its scale."""
+    blk = e * rows * nb * 16 + (r >> 4) * (nb * 256) + (c >> 1) * 512 + (r & 15) * 32 + (c & 1) * 16
+    scl = e * rows * nb + (r >> 4) * (nb * 16) + (c >> 1) * 32 + (r & 15) * 2 + (c & 1)
+    return blk, scl
+
+
+def test_tiled_element_map_matches_the_kernels_formulas():
+    rng = np.random.default_rng(0)
+    e_, rows, nb = 3, 48, 6
+    blocks = rng.integers(0, 256, (e_, rows, nb, 16), dtype=np.uint8)
+    scales = rng.integers(0, 256, (e_, rows, nb), dtype=np.uint8)
+    tb, ts = mxfp4.tile_for_op(blocks, scales)
+    assert tb.shape == blocks.shape and ts.shape == scales.shape
+    flat_b, flat_s = tb.reshape(-1), ts.reshape(-1)
+    for e in range(e_):
+        for r in range(rows):
+            for c in range(nb):
+                ob, os_ = _offsets(e, r, c, rows, nb)
+                np.testing.assert_array_equal(flat_b[ob : ob + 16], blocks[e, r, c])
+                assert flat_s[os_] == scales[e, r, c]
+
+
+def test_untile_inverts_tile_numpy_and_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (2, 32, 4 * 16), dtype=np.uint8)  # the op's [E, rows, nb * 16]
+    scales = rng.integers(0, 256, (2, 32, 4), dtype=np.uint8)
+    tb, ts = mxfp4.tile_for_op(blocks, scales)
+    assert not np.array_equal(tb, blocks)
+    ub, us = mxfp4.untile_from_op(tb, ts)
+    np.testing.assert_array_equal(ub, blocks)
+    np.testing.assert_array_equal(us, scales)
+    tb2, ts2 = mxfp4.tile_for_op(torch.from_numpy(blocks), torch.from_numpy(scales))
+    np.testing.assert_array_equal(tb2.numpy(), tb)
+    np.testing.assert_array_equal(ts2.numpy(), ts)
+
+
+@pytest.mark.parametrize("rows, nb", [(24, 4), (32, 3)])
+def test_untileable_shapes_are_refused(rows, nb):
+    with pytest.raises(ValueError, match="tiled MXFP4 layout"):
+        mxfp4.tile_scales(np.zeros((1, rows, nb), dtype=np.uint8))
+
+
+def test_loader_hands_the_op_tiled_experts():
+    from max.dtype import DType
+
+    from gptoss_max.arch.weights import SyntheticWeights, adapt_state_dict
+    from gptoss_max.synthetic import SyntheticModel
+
+    m = SyntheticModel("tiny", experts="mxfp4")
+    hf = {name: arr.copy() for name, (arr, _) in m.arrays().items() if ".experts." in name}
+    state = adapt_state_dict(dict(SyntheticWeights.generate(m).items()), m.spec, DType.bfloat16)
+    for part in ("gate_up", "down"):
+        blocks = hf[f"model.layers.0.mlp.experts.{part}_proj_blocks"]
+        scales = hf[f"model.layers.0.mlp.experts.{part}_proj_scales"]
+        tb, ts = mxfp4.tile_for_op(blocks, scales)
+        got_b = np.from_dlpack(state[f"language_model.layers.0.mlp.experts.{part}_blocks"].data)
+        got_s = np.from_dlpack(state[f"language_model.layers.0.mlp.experts.{part}_scales"].data)
+        np.testing.assert_array_equal(got_b, tb.reshape(got_b.shape))
+        np.testing.assert_array_equal(got_s, ts)
