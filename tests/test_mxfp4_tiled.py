@@ -71,3 +71,17 @@ def test_loader_hands_the_op_tiled_experts():
         got_s = np.from_dlpack(state[f"language_model.layers.0.mlp.experts.{part}_scales"].data)
         np.testing.assert_array_equal(got_b, tb.reshape(got_b.shape))
         np.testing.assert_array_equal(got_s, ts)
+
+
+def test_threaded_repack_matches_the_single_copy(monkeypatch):
+    """Large layers repack one expert per thread; the bytes must not depend on it."""
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, (5, 32, 6, 16), dtype=np.uint8)
+    scales = rng.integers(0, 256, (5, 32, 6), dtype=np.uint8)
+    single = mxfp4.tile_for_op(blocks, scales)
+    monkeypatch.setattr(mxfp4, "_THREADED_BYTES", 1)
+    threaded = mxfp4.tile_for_op(blocks, scales)
+    back = mxfp4.untile_from_op(*threaded)
+    for got, want in zip((*threaded, *back), (*single, blocks, scales), strict=True):
+        assert got.shape == want.shape and got.flags.c_contiguous
+        np.testing.assert_array_equal(got, want)

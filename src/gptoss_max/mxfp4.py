@@ -7,6 +7,9 @@ nibble and element 2j+1 in its high nibble; the scale byte s means 2**(s - 127).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 BLOCK = 32
@@ -58,6 +61,7 @@ def encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # bytes, and the prefill kernels keep 32 contiguous bytes per row and k-step
 # (bench/NOTES.md, "v8 and the layout probe").
 TILE_ROWS = 16
+_THREADED_BYTES = 1 << 26
 
 
 def check_tileable(rows: int, n_blocks: int) -> None:
@@ -81,7 +85,19 @@ def _tile(a, rows: int, nb: int, unit: int, inverse: bool):
     check_tileable(rows, nb)
     t = rows // TILE_ROWS
     src = (e, t, nb // 2, TILE_ROWS, 2 * unit) if inverse else (e, t, TILE_ROWS, nb // 2, 2 * unit)
-    return _contig(_permute(a.reshape(*src), (0, 1, 3, 2, 4))).reshape(a.shape)
+    view = _permute(a.reshape(*src), (0, 1, 3, 2, 4))
+    if not isinstance(a, np.ndarray) or a.nbytes < _THREADED_BYTES:
+        return _contig(view).reshape(a.shape)
+    # A full-size layer (~1 GB at 120b) is a strided copy: one expert per task, NumPy's copy
+    # loop releases the GIL, so a load's ~60 GB repack runs on every core.
+    out = np.empty(view.shape, dtype=a.dtype)
+
+    def copy(i: int) -> None:
+        out[i] = view[i]
+
+    with ThreadPoolExecutor(min(e, os.cpu_count() or 1)) as pool:
+        list(pool.map(copy, range(e)))
+    return out.reshape(a.shape)
 
 
 def tile_blocks(blocks, inverse: bool = False):

@@ -75,8 +75,11 @@ def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) 
     """HF gpt-oss tensors -> our module's state dict, in `dtype` except MXFP4 and biases."""
     datas = {name: w.data() for name, w in weights.items()}
     validate(spec, {name: _describe(d) for name, d in datas.items()})
-    converted = (_convert(_rename(name), d, dtype) for name, d in datas.items())
-    return {w.name: w for w in converted}
+    out = {}
+    for name in list(datas):  # each source is dropped once converted: MXFP4 repacks copy
+        w = _convert(_rename(name), datas.pop(name), dtype)
+        out[w.name] = w
+    return out
 
 
 class _Generated:
