@@ -73,6 +73,31 @@ def test_loader_hands_the_op_tiled_experts():
         np.testing.assert_array_equal(got_s, ts)
 
 
+def test_loader_leaves_a_file_backed_source_untouched():
+    """Tensors the loader does not own (a checkpoint's) are repacked into new arrays."""
+    from max.dtype import DType
+
+    from gptoss_max.arch.weights import SyntheticWeights, adapt_state_dict
+    from gptoss_max.synthetic import SyntheticModel
+
+    m = SyntheticModel("tiny", experts="mxfp4")
+    arrays = m.arrays()
+    sources = {n: a for n, (a, _) in arrays.items() if ".experts." in n}  # SyntheticWeights pops
+    pristine = {n: a.copy() for n, a in sources.items()}
+
+    class _FileTensor:  # the same tensors, as a loader that does not own them hands them over
+        def __init__(self, generated):
+            self.data = generated.data
+
+    weights = {n: _FileTensor(w) for n, w in SyntheticWeights(arrays).items()}
+    state = adapt_state_dict(weights, m.spec, DType.bfloat16)
+    for n, want in pristine.items():
+        np.testing.assert_array_equal(sources[n], want)
+    blocks = pristine["model.layers.0.mlp.experts.down_proj_blocks"]
+    got = np.from_dlpack(state["language_model.layers.0.mlp.experts.down_blocks"].data)
+    np.testing.assert_array_equal(got, mxfp4.tile_blocks(blocks).reshape(got.shape))
+
+
 def test_threaded_repack_matches_the_single_copy(monkeypatch):
     """Large layers repack one expert per thread; the bytes must not depend on it."""
     rng = np.random.default_rng(2)
@@ -85,3 +110,23 @@ def test_threaded_repack_matches_the_single_copy(monkeypatch):
     for got, want in zip((*threaded, *back), (*single, blocks, scales), strict=True):
         assert got.shape == want.shape and got.flags.c_contiguous
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_in_place_repack_rewrites_the_array_itself(monkeypatch, threaded):
+    if threaded:
+        monkeypatch.setattr(mxfp4, "_THREADED_BYTES", 1)
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (4, 48, 6 * 16), dtype=np.uint8)
+    scales = rng.integers(0, 256, (4, 48, 6), dtype=np.uint8)
+    want_b, want_s = mxfp4.tile_for_op(blocks, scales)
+    b, s = blocks.copy(), scales.copy()
+    assert mxfp4.tile_blocks(b, in_place=True) is b and mxfp4.tile_scales(s, in_place=True) is s
+    np.testing.assert_array_equal(b, want_b)
+    np.testing.assert_array_equal(s, want_s)
+    mxfp4.tile_blocks(b, inverse=True, in_place=True)
+    np.testing.assert_array_equal(b, blocks)
+    frozen = scales.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        mxfp4.tile_scales(frozen, in_place=True)

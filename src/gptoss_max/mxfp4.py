@@ -8,6 +8,7 @@ nibble and element 2j+1 in its high nibble; the scale byte s means 2**(s - 127).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -80,37 +81,57 @@ def _contig(a):
     return a.contiguous() if hasattr(a, "contiguous") else np.ascontiguousarray(a)
 
 
-def _tile(a, rows: int, nb: int, unit: int, inverse: bool):
+def _tile(a, rows: int, nb: int, unit: int, inverse: bool, in_place: bool):
     e = int(a.shape[0])
     check_tileable(rows, nb)
     t = rows // TILE_ROWS
     src = (e, t, nb // 2, TILE_ROWS, 2 * unit) if inverse else (e, t, TILE_ROWS, nb // 2, 2 * unit)
-    view = _permute(a.reshape(*src), (0, 1, 3, 2, 4))
-    if not isinstance(a, np.ndarray) or a.nbytes < _THREADED_BYTES:
-        return _contig(view).reshape(a.shape)
-    # A full-size layer (~1 GB at 120b) is a strided copy: one expert per task, NumPy's copy
-    # loop releases the GIL, so a load's ~60 GB repack runs on every core.
-    out = np.empty(view.shape, dtype=a.dtype)
+    if not isinstance(a, np.ndarray):  # torch (the benches)
+        return _contig(_permute(a.reshape(*src), (0, 1, 3, 2, 4))).reshape(a.shape)
+    if in_place and not (a.flags.writeable and a.flags.c_contiguous):
+        raise ValueError("an in-place MXFP4 repack needs a writeable C-contiguous array")
+    # NumPy: each row's pair of blocks (or scales) moves as one opaque item, so the copy loop
+    # moves 2 * unit bytes per step instead of one byte.
+    item = np.dtype((np.void, 2 * unit))
+    flat = np.ascontiguousarray(a).reshape(*src).view(item)[..., 0]
+    view = flat.transpose(0, 1, 3, 2)
+    # in place: each expert goes through a scratch copy and back into `a`'s own pages; a fresh
+    # array's first-touch page faults cost more than the copy itself (~60 GB at 120b).
+    out = flat.reshape(view.shape) if in_place else np.empty(view.shape, dtype=item)
+    scratch = threading.local()
 
     def copy(i: int) -> None:
-        out[i] = view[i]
+        if not in_place:
+            out[i] = view[i]
+            return
+        buf = getattr(scratch, "buf", None)
+        if buf is None:
+            buf = scratch.buf = np.empty(view.shape[1:], dtype=item)
+        buf[...] = view[i]
+        out[i] = buf
 
-    with ThreadPoolExecutor(min(e, os.cpu_count() or 1)) as pool:
-        list(pool.map(copy, range(e)))
-    return out.reshape(a.shape)
+    if a.nbytes < _THREADED_BYTES:
+        for i in range(e):
+            copy(i)
+    else:  # a full-size layer (~1 GB at 120b): one expert per task, NumPy's copy releases the GIL
+        with ThreadPoolExecutor(min(e, os.cpu_count() or 1)) as pool:
+            list(pool.map(copy, range(e)))
+    result = out.view(a.dtype).reshape(a.shape)
+    return a if in_place else result
 
 
-def tile_blocks(blocks, inverse: bool = False):
+def tile_blocks(blocks, inverse: bool = False, in_place: bool = False):
     """`blocks [E, rows, nb, 16]` or `[E, rows, nb * 16]` u8 (NumPy or torch) between the
-    checkpoint's layout and the op's tiled one (`inverse`: back), same shape."""
+    checkpoint's layout and the op's tiled one (`inverse`: back), same shape. `in_place`
+    (NumPy, an array nothing else reads): rewrite `blocks` itself and return it."""
     rows = int(blocks.shape[1])
     nb = int(blocks.shape[2]) if blocks.ndim == 4 else int(blocks.shape[2]) // (BLOCK // 2)
-    return _tile(blocks, rows, nb, BLOCK // 2, inverse)
+    return _tile(blocks, rows, nb, BLOCK // 2, inverse, in_place)
 
 
-def tile_scales(scales, inverse: bool = False):
+def tile_scales(scales, inverse: bool = False, in_place: bool = False):
     """`scales [E, rows, nb]` u8 between the checkpoint's layout and the op's tiled one."""
-    return _tile(scales, int(scales.shape[1]), int(scales.shape[2]), 1, inverse)
+    return _tile(scales, int(scales.shape[1]), int(scales.shape[2]), 1, inverse, in_place)
 
 
 def tile_for_op(blocks, scales):

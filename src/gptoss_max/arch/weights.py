@@ -51,18 +51,23 @@ def _from_numpy(arr: np.ndarray, name: str) -> WeightData:
     return WeightData.from_numpy(np.ascontiguousarray(arr), name)
 
 
-def _convert(name: str, data: WeightData, dtype: DType) -> WeightData:
+def _convert(name: str, data: WeightData, dtype: DType, owned: bool = False) -> WeightData:
+    """`owned`: nothing else reads `data`'s memory (a synthetic tensor handed over), so the MXFP4
+    repack may rewrite it in place instead of filling a new array."""
     head, _, suffix = name.rpartition(".")
     if ".mlp.experts" not in head:
         return dataclasses.replace(data.astype(dtype), name=name)
     new_suffix, kind = _EXPERTS[suffix]
     new_name = f"{head}.{new_suffix}"
     # MXFP4 experts: into the MoE op's tiled byte order (mxfp4.tile_for_op), same shapes.
-    if kind == "blocks":  # [E, rows, nb, 16] -> [E, rows, nb * 16]
-        arr = mxfp4.tile_blocks(np.from_dlpack(data.data))
-        return _from_numpy(arr.reshape(*arr.shape[:2], -1), new_name)
-    if kind == "scales":
-        return _from_numpy(mxfp4.tile_scales(np.from_dlpack(data.data)), new_name)
+    if kind in ("blocks", "scales"):
+        arr = np.from_dlpack(data.data)
+        in_place = owned and arr.flags.writeable and arr.flags.c_contiguous
+        tile = mxfp4.tile_blocks if kind == "blocks" else mxfp4.tile_scales
+        arr = tile(arr, in_place=in_place)
+        if kind == "blocks":  # [E, rows, nb, 16] -> [E, rows, nb * 16]
+            arr = arr.reshape(*arr.shape[:2], -1)
+        return _from_numpy(arr, new_name)
     f32 = np.from_dlpack(data.astype(DType.float32).data)
     if kind == "f32":
         return _from_numpy(f32, new_name)
@@ -76,8 +81,9 @@ def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) 
     datas = {name: w.data() for name, w in weights.items()}
     validate(spec, {name: _describe(d) for name, d in datas.items()})
     out = {}
-    for name in list(datas):  # each source is dropped once converted: MXFP4 repacks copy
-        w = _convert(_rename(name), datas.pop(name), dtype)
+    owned = {name: isinstance(w, _Generated) for name, w in weights.items()}
+    for name in list(datas):  # each source is dropped once converted: a file's repack copies
+        w = _convert(_rename(name), datas.pop(name), dtype, owned[name])
         out[w.name] = w
     return out
 
