@@ -278,3 +278,107 @@ def test_mxfp4_decode_random_rows(target: Target, decode_model) -> None:
     (out,) = target.run(decode_model, blocks, scales)
     ref = mxfp4.decode(blocks.reshape(7, 4, 16), scales)
     assert (out.view(np.uint32) == ref.view(np.uint32)).all()
+
+
+# --- the router's tail: top-k + softmax in one op (ops.router_topk) ---------------------------
+
+ROUTER_K = 4
+
+
+def _router_reference(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The op's rule, restated: larger logit first, ties to the lower id, NaN never chosen,
+    softmax over the chosen k in float64; -1 / 0 where fewer than k are left."""
+    t_n, e_n = logits.shape
+    ids = np.full((t_n, k), -1, dtype=np.int64)
+    w = np.zeros((t_n, k))
+    for t in range(t_n):
+        order = sorted((e for e in range(e_n) if not np.isnan(logits[t, e])), key=lambda e: (-logits[t, e], e))
+        chosen = np.array(order[:k], dtype=np.int64)
+        ids[t, : len(chosen)] = chosen
+        if len(chosen):
+            v = logits[t, chosen].astype(np.float64)
+            with np.errstate(invalid="ignore"):  # -inf - -inf: those are the v == v[0] terms
+                p = np.where(v == v[0], 1.0, np.exp(v - v[0]))
+            w[t, : len(chosen)] = p / p.sum()
+    return ids, w
+
+
+@pytest.fixture(scope="module")
+def router_model(target: Target):
+    """Our op on f32 and on bf16 logits, and MAX's top_k + softmax (the path it replaces)."""
+    from max.dtype import DType
+    from max.graph import TensorType
+    from max.graph import ops as gops
+
+    from gptoss_max.kernels import ops
+
+    def forward(logits):
+        ids, w = ops.router_topk(logits, ROUTER_K)
+        ids_b, w_b = ops.router_topk(gops.cast(logits, DType.bfloat16), ROUTER_K)
+        top, max_ids = gops.top_k(logits, k=ROUTER_K, axis=-1)
+        return ids, w, ids_b, w_b, gops.cast(max_ids, DType.int32), gops.softmax(top)
+
+    return target.compile("router_topk", forward, [TensorType(DType.float32, ["T", "E"], target.ref)])
+
+
+def _router_logits(kind: str, tokens: int, experts: int, rng) -> np.ndarray:
+    x = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
+    if kind == "ties":  # few distinct values: many equal logits, also across the k-th place
+        x = np.round(x).astype(np.float32)
+    if kind == "special":  # NaN and -inf logits; a row of NaN but two; a row all -inf
+        x[:, ::3] = np.nan
+        x[:, 1::5] = -np.inf
+        x[0, :] = np.nan
+        x[0, [1, experts - 1]] = [0.5, 2.0]
+        x[1, :] = -np.inf
+    return x
+
+
+ROUTER_CASES = [  # kind, tokens, experts (lanes hold 1, 2, 4 or 8 logits)
+    ("random", 1, 128),
+    ("random", 70, 128),
+    ("random", 9, 32),
+    ("random", 5, 256),
+    ("random", 6, 8),
+    ("random", 3, 4),  # k = E
+    ("random", 11, 50),  # E not a multiple of 32
+    ("ties", 40, 128),
+    ("ties", 17, 64),
+    ("special", 12, 128),
+]
+
+
+@pytest.mark.parametrize("kind, tokens, experts", ROUTER_CASES, ids=lambda v: str(v))
+def test_router_topk(kind, tokens, experts, target: Target, router_model) -> None:
+    rng = np.random.default_rng(tokens * 1000 + experts)
+    logits = _router_logits(kind, tokens, experts, rng)
+    ids, w, ids_b, w_b, max_ids, max_w = target.run(router_model, logits)
+    for got_ids, got_w, src in ((ids, w, logits), (ids_b, w_b, reference.round_to_bf16(logits))):
+        want_ids, want_w = _router_reference(src, ROUTER_K)
+        np.testing.assert_array_equal(got_ids, want_ids)
+        assert np.all(np.isfinite(got_w))
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-7)
+    if kind == "random":  # distinct logits: the same choice and weights as MAX's top_k + softmax
+        np.testing.assert_array_equal(ids, max_ids)
+        np.testing.assert_allclose(w, max_w, rtol=1e-5, atol=1e-7)
+
+
+def test_router_topk_refuses_bad_k() -> None:
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from gptoss_max.kernels import ops
+
+    for k, e in ((0, 8), (9, 8), (33, 64)):
+        with pytest.raises(ValueError, match="k must be"):
+            Graph(
+                "bad_k",
+                forward=lambda x, k=k: ops.router_topk(x, k),
+                input_types=[TensorType(DType.float32, [3, e], DeviceRef.CPU())],
+            )
+    with pytest.raises(ValueError, match="at most 256"):
+        Graph(
+            "many",
+            forward=lambda x: ops.router_topk(x, 4),
+            input_types=[TensorType(DType.float32, [3, 300], DeviceRef.CPU())],
+        )

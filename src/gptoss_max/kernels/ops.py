@@ -164,6 +164,33 @@ def moe_bf16(
     )
 
 
+ROUTER_MAX_EXPERTS = 256  # router_topk.mojo
+ROUTER_MAX_K = 32
+
+
+def router_topk(logits: TensorValue, k: int) -> tuple[TensorValue, TensorValue]:
+    """`logits [T, E]` (bf16 | f32, the router's output) -> (`ids [T, k]` int32, best first;
+    `weights [T, k]` f32, the softmax over those k logits), in one op (router_topk.mojo). Ties go
+    to the lower expert id; NaN logits are never chosen (id -1, weight 0 when fewer than k are
+    left)."""
+    if logits.dtype not in ACTIVATION_DTYPES or logits.rank != 2:
+        raise TypeError(f"logits must be a rank-2 float32 or bfloat16 tensor, got {logits.dtype} rank {logits.rank}")
+    n_experts = logits.shape[1]
+    if isinstance(n_experts, StaticDim) and not (1 <= k <= min(int(n_experts), ROUTER_MAX_K)):
+        raise ValueError(f"k must be in [1, min(E, {ROUTER_MAX_K})], got k={k} with E={int(n_experts)}")
+    if isinstance(n_experts, StaticDim) and int(n_experts) > ROUTER_MAX_EXPERTS:
+        raise ValueError(f"router_topk takes at most {ROUTER_MAX_EXPERTS} experts, got {int(n_experts)}")
+    _load_kernels()
+    tokens = logits.shape[0]
+    ids, weights = ops.custom(
+        "gptoss_router_topk",
+        logits.device,
+        [logits],
+        [TensorType(DType.int32, [tokens, k], logits.device), TensorType(DType.float32, [tokens, k], logits.device)],
+    )
+    return ids.tensor, weights.tensor
+
+
 def mxfp4_decode(
     blocks: TensorValue,  # [..., n/2] u8
     scales: TensorValue,  # [..., n/32] u8

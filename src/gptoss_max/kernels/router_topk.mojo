@@ -1,0 +1,211 @@
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from layout import coord_to_index_list
+from max.algorithm import elementwise
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, lane_id, warp_id
+from max.gpu.host import DeviceContext
+from max.gpu.primitives.warp import shuffle_xor
+from std.collections import Array
+from std.math import exp
+from std.utils.coord import Coord
+from std.utils.static_tuple import StaticTuple
+
+# The MoE router's tail in one op: top-k of each token's expert logits, then
+# the softmax over those k, which the expert ops take (ids int32, weights
+# f32). It stands for MAX's top_k + cast + softmax + cast (several launches
+# per layer in a decode step).
+#
+# Order: larger logit first; equal logits by lower expert id. NaN logits are
+# never chosen; a token with fewer than k choosable logits gets id -1 and
+# weight 0 in the remaining slots (the expert ops skip ids outside [0, E)).
+# Weights: exp(v - v_max) / sum over the chosen k, in f32 (v_max is the first
+# chosen logit; slots holding -inf next to a finite max get 0).
+#
+# GPU: a warp per token, each lane holding E / 32 logits in registers; k
+# rounds of a warp argmax by shuffles. CPU: a task per token, the same rule.
+
+comptime ROUTER_WARPS = 4
+comptime ROUTER_MAX_EXPERTS = 256
+comptime ROUTER_MAX_K = 32
+comptime _NONE = UInt32(0xFFFFFFFF)
+
+
+@always_inline
+def _before(v: Float32, i: UInt32, bv: Float32, bi: UInt32) -> Bool:
+    """(v, i) ranks before (bv, bi): larger logit, then lower id; NaN never."""
+    return v > bv or (v == bv and i < bi)
+
+
+@always_inline
+def _softmax_term(v: Float32, vmax: Float32) -> Float32:
+    """exp(v - vmax), 1 where v equals vmax (also both -inf: no NaN)."""
+    return Float32(1.0) if v == vmax else exp(v - vmax)
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(ROUTER_WARPS * 32)))
+def router_topk_kernel[
+    in_dtype: DType, per_lane: Int
+](
+    ids: Pointer[Int32, MutAnyOrigin],
+    weights: Pointer[Float32, MutAnyOrigin],
+    logits: Pointer[Scalar[in_dtype], ImmutAnyOrigin],
+    tokens_: Int64,
+    n_experts_: Int64,
+    top_k_: Int64,
+):
+    var tokens = Int(tokens_)
+    var n_experts = Int(n_experts_)
+    var top_k = Int(top_k_)
+    var t = Int(block_idx.x) * ROUTER_WARPS + Int(warp_id())
+    if t >= tokens:
+        return
+    var lane = Int(lane_id())
+    var row = logits.unsafe_offset(t * n_experts)
+    var v = Array[Float32, per_lane](fill=0)
+    var free = Array[Bool, per_lane](fill=False)
+    comptime for j in range(per_lane):
+        var e = lane + 32 * j
+        if e < n_experts:
+            var x = row[unsafe_offset=e].cast[DType.float32]()
+            v[j] = x
+            free[j] = x == x  # NaN is never chosen
+    var mine_v = Float32(0)
+    var mine_i = _NONE
+    var vmax = Float32(0)
+    for k in range(top_k):
+        var bv = Float32(0)
+        var bi = _NONE
+        comptime for j in range(per_lane):
+            var e = UInt32(lane + 32 * j)
+            if free[j] and (bi == _NONE or _before(v[j], e, bv, bi)):
+                bv = v[j]
+                bi = e
+        comptime for s in range(5):
+            var ov = shuffle_xor(bv, UInt32(16 >> s))
+            var oi = shuffle_xor(bi, UInt32(16 >> s))
+            if oi != _NONE and (bi == _NONE or _before(ov, oi, bv, bi)):
+                bv = ov
+                bi = oi
+        # Every lane now holds the same winner; its owner retires it.
+        if bi != _NONE and Int(bi) % 32 == lane:
+            comptime for j in range(per_lane):
+                if Int(bi) == lane + 32 * j:
+                    free[j] = False
+        if k == 0:
+            vmax = bv
+        if lane == k:
+            mine_v = bv
+            mine_i = bi
+    var p = Float32(0)
+    if lane < top_k and mine_i != _NONE:
+        p = _softmax_term(mine_v, vmax)
+    var total = p
+    comptime for s in range(5):
+        total += shuffle_xor(total, UInt32(16 >> s))
+    if lane < top_k:
+        ids[unsafe_offset=t * top_k + lane] = Int32(-1) if mine_i == _NONE else Int32(mine_i)
+        weights[unsafe_offset=t * top_k + lane] = p / total if total > 0 else Float32(0)
+
+
+def _launch[
+    in_dtype: DType, per_lane: Int
+](
+    ctx: DeviceContext,
+    ids: Pointer[Int32, MutAnyOrigin],
+    weights: Pointer[Float32, MutAnyOrigin],
+    logits: Pointer[Scalar[in_dtype], ImmutAnyOrigin],
+    tokens: Int,
+    n_experts: Int,
+    top_k: Int,
+) raises:
+    ctx.enqueue_function[router_topk_kernel[in_dtype, per_lane]](
+        ids,
+        weights,
+        logits,
+        Int64(tokens),
+        Int64(n_experts),
+        Int64(top_k),
+        grid_dim=(tokens + ROUTER_WARPS - 1) // ROUTER_WARPS,
+        block_dim=ROUTER_WARPS * 32,
+    )
+
+
+@extensibility.register("gptoss_router_topk")
+struct RouterTopK:
+    """Top-k experts of each token and their softmaxed weights.
+
+    Boundary (contiguous, row-major):
+      ids      [T, K] int32   chosen experts, best first (-1: none left)
+      weights  [T, K] f32     softmax over the chosen k logits
+      logits   [T, E] bf16 | f32   the router's output (bias included)
+    E <= 256, K <= min(E, 32).
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString,
+    ](
+        ids: OutputTensor[dtype=DType.int32, rank=2, ...],
+        weights: OutputTensor[dtype=DType.float32, rank=2, ...],
+        logits: InputTensor[rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var tokens = logits.dim_size[0]()
+        var n_experts = logits.dim_size[1]()
+        var top_k = ids.dim_size[1]()
+        if n_experts > ROUTER_MAX_EXPERTS or top_k > min(n_experts, ROUTER_MAX_K) or top_k < 1:
+            raise Error("gptoss_router_topk: needs 1 <= K <= min(E, 32) and E <= 256")
+        if tokens == 0:
+            return
+        var idp = ids.unsafe_ptr()
+        var wp = weights.unsafe_ptr()
+        var lp = logits.unsafe_ptr()
+
+        comptime if target == "gpu":
+            if n_experts <= 32:
+                _launch[logits.dtype, 1](ctx, idp, wp, lp, tokens, n_experts, top_k)
+            elif n_experts <= 64:
+                _launch[logits.dtype, 2](ctx, idp, wp, lp, tokens, n_experts, top_k)
+            elif n_experts <= 128:
+                _launch[logits.dtype, 4](ctx, idp, wp, lp, tokens, n_experts, top_k)
+            else:
+                _launch[logits.dtype, 8](ctx, idp, wp, lp, tokens, n_experts, top_k)
+            return
+
+        def route_token[
+            width: Int, alignment: Int = 1
+        ](idx: Coord) {var idp, var wp, var lp, var n_experts, var top_k}:
+            var t = coord_to_index_list(idx)[0]
+            var row = lp.unsafe_offset(t * n_experts)
+            var taken = Array[Bool, ROUTER_MAX_EXPERTS](fill=False)
+            var vmax = Float32(0)
+            var chosen = Array[Float32, ROUTER_MAX_K](fill=0)
+            var total = Float32(0)
+            var found = 0
+            for k in range(top_k):
+                var bv = Float32(0)
+                var bi = _NONE
+                for e in range(n_experts):
+                    var x = row[unsafe_offset=e].cast[DType.float32]()
+                    if taken[e] or x != x:
+                        continue
+                    if bi == _NONE or _before(x, UInt32(e), bv, bi):
+                        bv = x
+                        bi = UInt32(e)
+                if bi == _NONE:
+                    break
+                taken[Int(bi)] = True
+                if k == 0:
+                    vmax = bv
+                chosen[k] = _softmax_term(bv, vmax)
+                total += chosen[k]
+                idp[unsafe_offset=t * top_k + k] = Int32(bi)
+                found = k + 1
+            for k in range(top_k):
+                if k >= found:
+                    idp[unsafe_offset=t * top_k + k] = Int32(-1)
+                    wp[unsafe_offset=t * top_k + k] = Float32(0)
+                else:
+                    wp[unsafe_offset=t * top_k + k] = chosen[k] / total
+
+        elementwise[simd_width=1, target=target](route_token, Coord(tokens), ctx)
