@@ -139,6 +139,8 @@ def categorize(name: str, kind: str = "kernel", block: tuple[int, ...] | None = 
             return "moe_decode_down"
         if rest.startswith("moe_prefill"):
             return "moe_prefill"
+        if rest.startswith("router_topk"):
+            return "router_topk"
         if rest.startswith("attention"):
             # Split and merge names are cut to the same 30 characters; the merge kernel is the
             # one launched with one warp per block (attention_gpu.mojo).
