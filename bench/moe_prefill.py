@@ -21,8 +21,9 @@ keeps what the others measured):
                torch reference (rel err <= 5e-3, fresh inputs), then the time
                per layer: slope of CUDA-event time of a graph of 1 vs 1 + chain
                layers (weights rotated over sets, routing fresh per layer);
-               the tile-config sweep; the crossover against the decode kernel
-               at small T (tokens per expert = T * 4 / E).
+               the crossover against the decode kernel at small T (tokens
+               per expert = T * 4 / E); last, the tile-config sweep (what a
+               --deadline cuts first).
 
 TFLOP/s count 2 * P * H * 2I + 2 * P * I * H (the two GEMMs; SwiGLU, bias and
 combine are free). Writes <out>/moe_prefill_<gpu>_<yyyymmdd>.json with rows
@@ -363,7 +364,7 @@ def _rows(run: Run, model: str, set_bufs) -> None:
 
 
 def _sweep(run: Run, model: str, set_bufs) -> None:
-    """Tile configs at the sweep's T, then decode kernel vs prefill at small T."""
+    """Tile configs at the sweep's T."""
     args, res = run.args, run.result
     configs, few = _ints(args.configs), max(2, args.reps // 2)
     for tokens in _ints(args.sweep_tokens):
@@ -376,6 +377,12 @@ def _sweep(run: Run, model: str, set_bufs) -> None:
             res["sweep"].append({"model": model, "tokens": tokens, "config": c, "ms": ms, "tflops": tf})
             print(json.dumps(res["sweep"][-1]), flush=True)
         run.save()
+
+
+def _crossover(run: Run, model: str, set_bufs) -> None:
+    """The decode kernel against each prefill config at small T (what the dispatch rule rests on)."""
+    args, res = run.args, run.result
+    configs, few = _ints(args.configs), max(2, args.reps // 2)
     points = []
     for tokens in _ints(args.cross_tokens):
         if run.late():
@@ -415,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         _check(run, model, sets[model], bufs[model])
         run.save()
         _rows(run, model, bufs[model])
+    # the crossover (the dispatch rule's evidence) before the tuning sweep, so a deadline cuts the sweep
+    for model in models:
+        _crossover(run, model, bufs[model])
     for model in models:
         _sweep(run, model, bufs[model])
     run.save()
