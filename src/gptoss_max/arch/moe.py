@@ -1,7 +1,8 @@
 """The gpt-oss MoE block with experts computed by our Mojo op; the router is MAX's Linear.
 
-Expert weights stay as stored: MXFP4 (blocks, scales) uint8 pairs or bf16; never
-expanded to a BF16 copy of the expert stack.
+Expert weights stay MXFP4-sized: (blocks, scales) uint8 pairs, repacked once at load into the
+op's tiled byte order (gptoss_max.mxfp4.tile_for_op), or bf16; never expanded to a BF16 copy of
+the expert stack.
 """
 
 from __future__ import annotations
