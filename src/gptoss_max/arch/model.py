@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import time
 from typing import Any, ClassVar
 
 from max.dtype import DType
@@ -19,6 +21,8 @@ from gptoss_max.arch.weights import SyntheticWeights, adapt_state_dict
 from gptoss_max.config import ModelSpec
 from gptoss_max.kernels import kernels_path
 from gptoss_max.synthetic import SyntheticModel
+
+_log = logging.getLogger("max.pipelines.gptoss_max")  # MAX's pipeline logger: load phases sit together
 
 
 def on_cpu(devices: list[DeviceRef]) -> bool:
@@ -92,7 +96,14 @@ class NativeGptOssModel(maxapi.GptOssModel):
         synthetic = SyntheticModel.from_hf_config(cfg)
         # A synthetic model's directory holds a header-only stub: its weights are made here instead.
         weights = SyntheticWeights.generate(synthetic) if synthetic else self.weights
+        start = time.perf_counter()
         self._language_weights_dict = adapt_state_dict(dict(weights.items()), spec, dtype)
+        _log.info(
+            "adapted %d %s tensors to our architecture (any MXFP4 experts into the op's tiled order) in %.1f s",
+            len(self._language_weights_dict),
+            "synthetic" if synthetic else "checkpoint",
+            time.perf_counter() - start,
+        )
         return self._language_weights_dict
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> NativeGptOssConfig:
