@@ -51,6 +51,7 @@ from std.memory import bitcast, stack_allocation
 from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
+from .mxfp4 import tiled_block_offset, tiled_scale_offset
 
 # Warps per block (a 16-row tile per warp, or per ksplit warps in down). For
 # 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share
@@ -209,19 +210,6 @@ def _decode_block[
 
 
 @always_inline
-def _tiled_words(c: Int) -> Int:
-    """32-bit words from a row's block 0 to its block c in the tiled layout
-    (mxfp4.mojo tiled_block_offset: pairs of blocks 512 bytes apart)."""
-    return (c >> 1) * 128 + (c & 1) * 4
-
-
-@always_inline
-def _tiled_scale(c: Int) -> Int:
-    """Bytes from a row's scale 0 to its scale c (tiled_scale_offset)."""
-    return (c >> 1) * 32 + (c & 1)
-
-
-@always_inline
 def _load_batch[
     slot: Int
 ](
@@ -245,10 +233,10 @@ def _load_batch[
     var c = min(4 * batch + q, nchunks - 1)
     # Streamed once: kept out of L1, which holds the activations.
     comptime na = CacheEviction.NO_ALLOCATE
-    wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + _tiled_words(c0 + c))
-    wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + _tiled_words(c0 + c))
-    sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + _tiled_scale(c0 + c)))
-    sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + _tiled_scale(c0 + c)))
+    wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + (tiled_block_offset(0, c0 + c, 0) >> 2))
+    wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + (tiled_block_offset(0, c0 + c, 0) >> 2))
+    sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + tiled_scale_offset(0, c0 + c, 0)))
+    sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + tiled_scale_offset(0, c0 + c, 0)))
 
 
 @always_inline
