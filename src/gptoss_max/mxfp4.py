@@ -95,20 +95,24 @@ def _tile(a, rows: int, nb: int, unit: int, inverse: bool, in_place: bool):
     item = np.dtype((np.void, 2 * unit))
     flat = np.ascontiguousarray(a).reshape(*src).view(item)[..., 0]
     view = flat.transpose(0, 1, 3, 2)
-    # in place: each expert goes through a scratch copy and back into `a`'s own pages; a fresh
-    # array's first-touch page faults cost more than the copy itself (~60 GB at 120b).
-    out = flat.reshape(view.shape) if in_place else np.empty(view.shape, dtype=item)
-    scratch = threading.local()
+    if in_place:
+        # each expert goes through a per-thread scratch copy and back into `a`'s own pages; a fresh
+        # array's first-touch page faults cost more than the copy itself (~60 GB at 120b).
+        out = flat.reshape(view.shape)
+        scratch = threading.local()
 
-    def copy(i: int) -> None:
-        if not in_place:
+        def copy(i: int) -> None:
+            buf = getattr(scratch, "buf", None)
+            if buf is None:
+                buf = scratch.buf = np.empty(view.shape[1:], dtype=item)
+            buf[...] = view[i]
+            out[i] = buf
+
+    else:
+        out = np.empty(view.shape, dtype=item)
+
+        def copy(i: int) -> None:
             out[i] = view[i]
-            return
-        buf = getattr(scratch, "buf", None)
-        if buf is None:
-            buf = scratch.buf = np.empty(view.shape[1:], dtype=item)
-        buf[...] = view[i]
-        out[i] = buf
 
     if a.nbytes < _THREADED_BYTES:
         for i in range(e):
@@ -116,8 +120,7 @@ def _tile(a, rows: int, nb: int, unit: int, inverse: bool, in_place: bool):
     else:  # a full-size layer (~1 GB at 120b): one expert per task, NumPy's copy releases the GIL
         with ThreadPoolExecutor(min(e, os.cpu_count() or 1)) as pool:
             list(pool.map(copy, range(e)))
-    result = out.view(a.dtype).reshape(a.shape)
-    return a if in_place else result
+    return a if in_place else out.view(a.dtype).reshape(a.shape)
 
 
 def tile_blocks(blocks, inverse: bool = False, in_place: bool = False):
