@@ -130,3 +130,19 @@ def test_in_place_repack_rewrites_the_array_itself(monkeypatch, threaded):
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="writeable"):
         mxfp4.tile_scales(frozen, in_place=True)
+
+
+def test_repack_bench_writes_its_table(tmp_path):
+    """bench/repack.py on a small layer: both modes timed, results equal, the JSON's fields."""
+    import json
+
+    from script_loader import load_script
+
+    bench = load_script("bench/repack.py", "bench_repack")
+    assert bench.main(["--experts", "3", "--rows", "32", "--blocks", "6", "--reps", "2", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("repack_cpu_*.json")
+    result = json.loads(path.read_text())
+    assert result["results_equal"] is True and result["shape"] == [3, 32, 6, 16]
+    assert result["command"].startswith("python3 bench/repack.py --experts 3")
+    assert [r["mode"] for r in result["rows"]] == ["fresh array", "in place"]
+    assert all(r["seconds"] >= 0 and r["gb"] == round(3 * 32 * 6 * 16 / 1e9, 3) for r in result["rows"])
