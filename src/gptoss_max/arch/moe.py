@@ -1,4 +1,4 @@
-"""The gpt-oss MoE block with experts computed by our Mojo op; the router is MAX's Linear.
+"""The gpt-oss MoE block: the router is MAX's Linear, its top-k + softmax and the experts our Mojo ops.
 
 Expert weights stay MXFP4-sized: (blocks, scales) uint8 pairs, repacked once at load into the
 op's tiled byte order (gptoss_max.mxfp4.tile_for_op), or bf16; never expanded to a BF16 copy of
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from max.dtype import DType
-from max.graph import DeviceRef, ShardingStrategy, TensorValue, Weight, ops
+from max.graph import DeviceRef, ShardingStrategy, TensorValue, Weight
 from max.nn.layer import Module
 from max.nn.linear import Linear
 
@@ -73,9 +73,8 @@ class NativeMoE(Module):
 
     def __call__(self, x: TensorValue) -> TensorValue:  # x: [T, H]
         logits = self.router(x)  # [T, E]
-        top, ids = ops.top_k(logits, k=self.top_k, axis=-1)  # [T, K]
-        weights = ops.softmax(ops.cast(top, DType.float32))
-        return self.experts(x, ops.cast(ids, DType.int32), weights)  # [T, H]
+        ids, weights = moe_ops.router_topk(logits, self.top_k)  # [T, K] int32, f32 softmaxed
+        return self.experts(x, ids, weights)  # [T, H]
 
     # MAX's transformer block shards every mlp; one device is all we support so far.
     @property
