@@ -668,7 +668,7 @@ def p2_b_src(e: Int, n_rows: Int, n0: Int, tid: Int, k_dim: Int) -> Int:
     return e * n_rows * (k_dim // 2) + tiled_block_offset(row, 0, k_dim // 32) + (tid & 1) * 16
 
 
-# A stage's 64 k of a row are block pair kb: 512 bytes on in the tiled layout.
+# A stage's 64 k of a row are block pair kb: pairs are 512 bytes apart in the tiled layout.
 comptime P2_B_STRIDE = 512
 comptime P2_S_STRIDE = 32
 
