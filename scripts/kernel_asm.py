@@ -68,10 +68,34 @@ def build_ptx(specs: list[str], work: Path) -> dict[str, str]:
 def opcode_counts(sass: str) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
     for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        m = _INSTR.match(line)
         if m:
             counts[m.group(1).split(".")[0]] += 1
     return counts
+
+
+_INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def loops(sass: str, needs: str = "HMMA") -> list[tuple[str, collections.Counter]]:
+    """Each backward branch's loop (label .. branch) whose body holds a `needs` opcode: the loop's
+    label and the opcode counts of its body (nested loops are reported whole, each)."""
+    body: list[str] = []  # one line per instruction, labels kept in place
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(body)
+        elif _INSTR.match(line):
+            body.append(line)
+    found = []
+    for i, line in enumerate(body):
+        m = re.search(r"BRA.*\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            counts = opcode_counts("\n".join(body[labels[m.group(1)] : i + 1]))
+            if counts.get(needs):
+                found.append((m.group(1), counts))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="directory for the .ptx (and .cubin, .sass) files")
     ap.add_argument("--ptxas", help="ptxas binary: registers, spills and shared memory per kernel")
     ap.add_argument("--nvdisasm", help="nvdisasm binary (needs --ptxas): SASS and its opcode counts")
+    ap.add_argument("--loops", action="store_true",
+                    help="with --nvdisasm: also the opcode counts of every loop holding an mma (HMMA)")  # fmt: skip
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             stem.with_suffix(".sass").write_text(sass)
             top = ", ".join(f"{op} {n}" for op, n in opcode_counts(sass).most_common(12))
             print(f"    SASS {sum(opcode_counts(sass).values())} instructions: {top}")
+            if args.loops:
+                for label, counts in loops(sass):
+                    top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
+                    print(f"    loop {label}: {sum(counts.values())} instructions, HMMA {counts['HMMA']}: {top}")
     return 0
 
 

@@ -34,3 +34,24 @@ def test_opcode_counts_read_predicated_sass(asm):
         /*0040*/                   HMMA.16816.F32.BF16 R40, R40, R48, R44 ;
     """
     assert asm.opcode_counts(sass) == {"HMMA": 2, "LDG": 1, "BRA": 1}
+
+
+def test_loops_count_the_body_of_each_mma_loop(asm):
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDG.E.128 R40, desc[UR10][R74.64] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R44, R44, R48, R52 ;
+        /*0030*/                   IMAD.SHL.U32 R72, R28, 0x10, RZ ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0050*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0060*/               @P1 BRA `(.L_x_2) ;
+        /*0070*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*0080*/                   EXIT ;
+    """
+    (got,) = asm.loops(sass)  # .L_x_2 holds no mma; .L_x_3 is a forward branch
+    label, counts = got
+    assert label == ".L_x_1"
+    assert counts == {"LDG": 1, "HMMA": 1, "IMAD": 1, "BRA": 1}
