@@ -15,7 +15,10 @@
 #   S  > 1: it writes (acc[D], m, l) to scratch[t * S + s, h]; a second
 #           launch (grid T x n_heads, one warp each) merges the S partials
 #           with the sink. S = max(1, SPLIT_TOKENS // T), so T * S <= 16
-#           rows of scratch whenever S > 1.
+#           rows of scratch whenever S > 1; a sliding-window layer takes at
+#           most ceil(window / WINDOW_KEYS_PER_SPLIT) (one split, no merge
+#           launch, for gpt-oss's window of 128). Both are host-side facts of
+#           the layer and the step's shape, so the launches stay graph-safe.
 #
 # Scores are kept in base 2 (q is pre-scaled by scale * log2(e), sinks by
 # log2(e)), so every exponential is one exp2.
@@ -25,21 +28,28 @@ from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import byte_permute
 from max.gpu.memory import AddressSpace
-from max.gpu.primitives.warp import shuffle_xor
+from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
 from std.collections import Array
 from std.math import exp2
 from std.memory import bitcast, stack_allocation
 
 comptime SPLIT_TOKENS = 16
+# Keys a split of a sliding-window layer covers at least: 128 is two 16-key
+# chunks per warp of the tensor-core kernel, cheaper than a merge launch.
+comptime WINDOW_KEYS_PER_SPLIT = 128
 comptime LOG2E: Float32 = 1.4426950408889634
 # A finite "minus infinity": exp2 of it, or of it minus a score, is 0, and
 # it minus itself is 0 (no NaN when a lane or a split saw no key).
 comptime NEG_BIG: Float32 = -1.0e30
 
 
-def n_splits(tokens: Int) -> Int:
-    """Key splits per token for a step of `tokens` query rows."""
-    return max(1, SPLIT_TOKENS // max(tokens, 1))
+def n_splits(tokens: Int, window: Int) -> Int:
+    """Key splits per token for a step of `tokens` query rows of a layer
+    whose window is `window` keys (0: none)."""
+    var s = max(1, SPLIT_TOKENS // max(tokens, 1))
+    if window > 0:
+        s = min(s, (window + WINDOW_KEYS_PER_SPLIT - 1) // WINDOW_KEYS_PER_SPLIT)
+    return s
 
 
 def heads_per_block(group: Int) -> Int:
@@ -307,6 +317,14 @@ def attention_tc_kernel[
     var acc = Array[SIMD[DType.float32, 4], 8](fill=SIMD[DType.float32, 4](0))
     var kbase = j0 + 16 * w
     while kbase < j1:
+        # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7,
+        # loaded first so they are in flight with K's.
+        var vr = Array[SIMD[DType.uint32, 4], 4](fill=SIMD[DType.uint32, 4](0))
+        comptime for i in range(4):
+            var key = kbase + 2 * q4 + (i & 1) + 8 * (i >> 1)
+            if key < j1:
+                var vp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + v_base)
+                vr[i] = vp.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
         # Scores of keys kbase + 8 grp + 2 q4 + {0, 1} for head g.
         var sc = SIMD[DType.float32, 4](NEG_BIG)
         comptime for grp in range(2):
@@ -336,13 +354,6 @@ def attention_tc_kernel[
         var pa = bitcast[DType.bfloat16, 8](
             SIMD[DType.uint32, 4](_pack_bf16(p[0], p[1]), 0, _pack_bf16(p[2], p[3]), 0)
         )
-        # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7.
-        var vr = Array[SIMD[DType.uint32, 4], 4](fill=SIMD[DType.uint32, 4](0))
-        comptime for i in range(4):
-            var key = kbase + 2 * q4 + (i & 1) + 8 * (i >> 1)
-            if key < j1:
-                var vp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + v_base)
-                vr[i] = vp.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
         comptime for j in range(8):
             comptime sel = UInt32(0x5410 if j % 2 == 0 else 0x7632)
             var b01 = byte_permute(vr[0][j // 2], vr[1][j // 2], sel)
@@ -405,28 +416,36 @@ def attention_merge_kernel[
     n_heads_: Int64,
     splits_: Int64,
 ):
-    """One warp per (t, h): lane handles dims lane, lane + 32, ..."""
+    """One warp per (t, h). Lane s < S reads split s's (m, l); the warp
+    reduces them by shuffles; then each lane sums its dims (lane, lane + 32,
+    ...) over the splits with every load issued up front (the split index
+    is clamped, the extra splits weigh 0), so the kernel is two dependent
+    L2 round trips, not 2 S of them."""
     comptime D = head_dim
     var n_heads = Int(n_heads_)
     var splits = Int(splits_)
     var t = Int(block_idx.x)
     var h = Int(block_idx.y)
     var lane = Int(lane_id())
+    var stride = n_heads * (D + 2)
+    var base = scratch.unsafe_offset((t * splits * n_heads + h) * (D + 2))
     var sink = sinks[unsafe_offset=h].cast[DType.float32]() * LOG2E
-    var mg = sink
-    for s in range(splits):
-        mg = max(mg, scratch[unsafe_offset=((t * splits + s) * n_heads + h) * (D + 2) + D])
-    var den = exp2(sink - mg)
+    var ms = NEG_BIG
+    var ls: Float32 = 0
+    if lane < splits:
+        ms = base[unsafe_offset=lane * stride + D]
+        ls = base[unsafe_offset=lane * stride + D + 1]
+    var mg = max(_warp_max(ms), sink)
+    var w = exp2(ms - mg)  # 0 on lanes past the splits
+    var den = _warp_sum(ls * w) + exp2(sink - mg)
     comptime per_lane = (D + 31) // 32
     var o = SIMD[DType.float32, per_lane](0)
-    for s in range(splits):
-        var row = scratch.unsafe_offset(((t * splits + s) * n_heads + h) * (D + 2))
-        var w = exp2(row[unsafe_offset=D] - mg)
-        den += row[unsafe_offset=D + 1] * w
+    comptime for sp in range(SPLIT_TOKENS):
+        var ws = shuffle_idx(w, UInt32(sp))
+        var row = base.unsafe_offset(min(sp, splits - 1) * stride)
         comptime for i in range(per_lane):
-            var d = lane + 32 * i
-            if d < D:
-                o[i] += row[unsafe_offset=d] * w
+            var d = min(lane + 32 * i, D - 1)
+            o[i] += row[unsafe_offset=d] * ws
     var orow = output.unsafe_offset((t * n_heads + h) * D)
     comptime for i in range(per_lane):
         var d = lane + 32 * i
@@ -464,7 +483,7 @@ def launch_attention[
         raise Error("gptoss_attention_with_sinks GPU path: head_dim must be a power of two in [8, 256]")
     if tokens == 0:
         return
-    var splits = n_splits(tokens)
+    var splits = n_splits(tokens, window)
     if splits > 1 and tokens * splits > scratch_rows:
         raise Error("gptoss_attention_with_sinks: scratch too small for the key splits")
     comptime if USE_TENSOR_CORES and dtype == DType.bfloat16 and head_dim == TC_DIM:
