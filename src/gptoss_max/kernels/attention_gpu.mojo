@@ -238,7 +238,9 @@ def attention_split_kernel[
 # Decode steps of bf16 gpt-oss shapes (head_dim 64, 8 query heads per KV
 # head) take the tensor-core kernel; others the CUDA-core one above.
 comptime USE_TENSOR_CORES = True
-comptime TC_WARPS = 4
+comptime TC_WARPS = 8
+# Output dims per thread in the block's final merge (TC_HEADS x TC_DIM over the block's threads).
+comptime TC_DPT = TC_HEADS * TC_DIM // (TC_WARPS * 32)
 comptime TC_HEADS = 8
 comptime TC_DIM = 64
 
@@ -375,19 +377,20 @@ def attention_tc_kernel[
         comptime for i in range(2):
             so[unsafe_offset=(w * TC_HEADS + g) * D + 8 * (2 * q4 + i) + j] = acc[j][i]
     barrier()
-    # Thread x of the block: head x // 16 ... one thread per (head, 4 dims).
+    # Thread x of the block: one per (head, TC_DPT dims), head x // (D / TC_DPT).
+    comptime DPT = TC_DPT
     var tid = Int(thread_idx.x)
-    var hh = tid // 16
-    var d0 = (tid % 16) * 4
+    var hh = tid // (D // DPT)
+    var d0 = (tid % (D // DPT)) * DPT
     var mg = NEG_BIG
     comptime for ww in range(TC_WARPS):
         mg = max(mg, sm[unsafe_offset=(ww * TC_HEADS + hh) * 2])
     var lsum: Float32 = 0
-    var o = SIMD[DType.float32, 4](0)
+    var o = SIMD[DType.float32, DPT](0)
     comptime for ww in range(TC_WARPS):
         var f = exp2(sm[unsafe_offset=(ww * TC_HEADS + hh) * 2] - mg)
         lsum += sm[unsafe_offset=(ww * TC_HEADS + hh) * 2 + 1] * f
-        comptime for i in range(4):
+        comptime for i in range(DPT):
             o[i] += so[unsafe_offset=(ww * TC_HEADS + hh) * D + d0 + i] * f
     var head = kvh * TC_HEADS + hh
     if splits == 1:
@@ -395,12 +398,12 @@ def attention_tc_kernel[
         var mt = max(mg, sink)
         var f = exp2(mg - mt)
         var inv = f / (lsum * f + exp2(sink - mt))
-        output.unsafe_offset((t * n_heads + head) * D + d0).unsafe_store[alignment=8](
+        output.unsafe_offset((t * n_heads + head) * D + d0).unsafe_store[alignment = 2 * DPT](
             (o * inv).cast[DType.bfloat16]()
         )
         return
     var row = scratch.unsafe_offset(((t * splits + s) * n_heads + head) * (D + 2))
-    comptime for i in range(4):
+    comptime for i in range(DPT):
         row[unsafe_offset=d0 + i] = o[i]
     if d0 == 0:
         row[unsafe_offset=D] = mg
