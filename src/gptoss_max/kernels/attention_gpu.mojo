@@ -238,9 +238,10 @@ def attention_split_kernel[
 # Decode steps of bf16 gpt-oss shapes (head_dim 64, 8 query heads per KV
 # head) take the tensor-core kernel; others the CUDA-core one above.
 comptime USE_TENSOR_CORES = True
-# Warps per block: 8 while a step has few blocks (a sliding layer's 128 keys
-# in one pass of 16-key chunks: batch 1 at 1k, 7.9 us per layer against 8.3
-# with 4), 4 when it has many (batch 64: 48 us against 53 with 8).
+# Warps per block: 8 for steps of 2 to 16 rows while they have few blocks
+# (batch 8 at 1k: 13.4 us per layer against 18.9 with 4), else 4 (batch 64:
+# 48 us against 53 with 8; batch 1: 8 warps were faster alone, 7.9 against
+# 8.3 us, but slower inside the end-to-end decode, 3.67 against 3.55 ms).
 comptime TC_WARPS_FEW = 8
 comptime TC_WARPS_MANY = 4
 comptime TC_HEADS = 8
@@ -493,7 +494,7 @@ def launch_attention[
         raise Error("gptoss_attention_with_sinks: scratch too small for the key splits")
     comptime if USE_TENSOR_CORES and dtype == DType.bfloat16 and head_dim == TC_DIM:
         if group == TC_HEADS:
-            var few = tokens * splits <= SPLIT_TOKENS
+            var few = tokens > 1 and tokens * splits <= SPLIT_TOKENS
             comptime for wi in range(2):
                 comptime warps = TC_WARPS_FEW if wi == 0 else TC_WARPS_MANY
                 if few == (wi == 0):
