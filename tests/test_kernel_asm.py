@@ -17,13 +17,21 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     specs = [
         "moe_gpu.gate_up_kernel[DType.bfloat16, 2]",
         "attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]",
+        "attention_gpu.attention_tc_kernel[DType.bfloat16, 4]",
+        "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up, merge = ptx.values()
+    gate_up, merge, tc4, tc8 = ptx.values()
     assert ".target sm_90a" in gate_up and ".entry" in gate_up
     assert "mma.sync.aligned.m16n8k16" in gate_up  # tensor cores
     assert "ex2.approx" in merge and ".entry" in merge
+    # the merge broadcasts each split's weight from the lane that read it: one shuffle per split
+    assert merge.count("shfl.sync.idx") == 16
+    # the block's warp-merge buffer (TC_HEADS x 64 f32 per warp) follows the warps per block
+    for tc, warps in ((tc4, 4), (tc8, 8)):
+        assert "mma.sync.aligned.m16n8k16" in tc
+        assert f"_gpu_shared_mem[{warps * 8 * 64 * 4}]" in tc
 
 
 def test_opcode_counts_read_predicated_sass(asm):
