@@ -9,13 +9,18 @@ Two facts the design rests on:
      gate_up dot products as accurate as bf16 activations, which today's kernel feeds its mma.
 
 Prints the check of (1) and, for (2), the relative error of x @ W^T against float64 for bf16
-activations and for 1, 2 and 3 e4m3 parts, on gpt-oss's gate_up shape (2880 -> 5760) with
-weights drawn as MXFP4 (random codes, E8M0 bytes 119..122 as the synthetic checkpoints have).
+activations and for 1, 2 and 3 e4m3 parts, on gpt-oss's gate_up shape (2880 -> 5760) with one
+expert's MXFP4 weights as the synthetic 120b checkpoint draws them (`gptoss_max.synthetic`), and
+the E8M0 bytes those weights use.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -44,6 +49,22 @@ def split_e4m3(torch, x, parts: int):
     return out
 
 
+def synthetic_gate_up(seed: int):
+    """Expert 0 of layer 0's gate_up weights [2 * I, H] (float32) and E8M0 bytes of the synthetic
+    120b checkpoint, drawn by the generator `--model synthetic:120b` uses."""
+    from gptoss_max import mxfp4
+    from gptoss_max.config import PRESETS
+    from gptoss_max.synthetic import chunk_values, tensor_plans
+
+    spec = PRESETS["120b"]
+    rows, nb = 2 * spec.intermediate_size, spec.hidden_size // mxfp4.BLOCK
+    name = "model.layers.0.mlp.experts.gate_up_proj_"
+    plans = {p.name: p for p in tensor_plans(spec, True) if p.name.startswith(name)}
+    blocks = chunk_values(name + "blocks", plans[name + "blocks"].dist, seed, 0, rows * nb).reshape(rows, nb, 16)
+    scales = chunk_values(name + "scales", plans[name + "scales"].dist, seed, 0, rows * nb).reshape(rows, nb)
+    return mxfp4.decode(blocks, scales), scales
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8)
@@ -53,10 +74,10 @@ def main() -> int:
 
     torch.manual_seed(args.seed)
     print(f"e2m1 nibble -> e4m3 byte (s 0 0 e1 e0 m 0 0) is value * 2^-6 for all 16 codes: {placement_is_exact(torch)}")
-    k, n = 2880, 5760
-    codes = torch.randint(0, 16, (n, k))
-    mag = torch.tensor(E2M1, dtype=torch.float64)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    w = mag * torch.pow(2.0, torch.randint(119, 123, (n, k // 32)).double() - 127).repeat_interleave(32, dim=1)
+    w, scales = synthetic_gate_up(args.seed)
+    n, k = w.shape
+    print(f"synthetic 120b gate_up expert: E8M0 bytes {int(scales.min())}..{int(scales.max())}")
+    w = torch.from_numpy(w).double()
     cases = {
         "normal": torch.randn(args.tokens, k, dtype=torch.float64),
         "1% outliers x30": torch.randn(args.tokens, k, dtype=torch.float64)
