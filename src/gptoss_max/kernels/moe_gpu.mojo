@@ -85,6 +85,13 @@ comptime CHUNK_TOKENS = 64
 comptime MAX_TOPK = 4
 comptime MAX_PAIRS = CHUNK_TOKENS * MAX_TOPK
 comptime MAX_EXPERTS = 256
+# A warp copies its 16-row tile's scale bytes (16 per block column) into shared
+# memory once, with the scan for scales above 128, and the batches read them
+# there: per-batch byte loads from global memory cost ~5 us of a 120b T = 1
+# layer (bench/NOTES.md, v12). Sized for K <= 3072 (gpt-oss: 2880).
+comptime MAX_K_BLOCKS = 96
+comptime TILE_SCALES = 16 * MAX_K_BLOCKS
+comptime SharedU8 = Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 @always_inline
@@ -214,29 +221,36 @@ def _load_batch[
     slot: Int
 ](
     mut wv: Array[SIMD[DType.uint32, 4], RING],
-    mut sv: Array[UInt32, RING],
     w_g: Pointer[UInt32, _],
     w_g8: Pointer[UInt32, _],
-    s_g: Pointer[UInt8, _],
-    s_g8: Pointer[UInt8, _],
     c0: Int,
     nchunks: Int,
     batch: Int,
     q: Int,
 ):
-    """Issue the 16-byte weight loads and scale bytes of one batch (block
-    4 * batch + q of rows g and g + 8) into ring slot `slot`. Past the last
-    block the index is clamped: those blocks meet zero activations (finite
-    weights, so their products are exact zeros) and no predicate sits in
-    the load path."""
+    """Issue the 16-byte weight loads of one batch (block 4 * batch + q of rows
+    g and g + 8) into ring slot `slot`. Past the last block the index is
+    clamped: those blocks meet zero activations (finite weights, so their
+    products are exact zeros) and no predicate sits in the load path."""
     comptime i = 2 * slot
     var c = min(4 * batch + q, nchunks - 1)
     # Streamed once: kept out of L1, which holds the activations.
     comptime na = CacheEviction.NO_ALLOCATE
     wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + (tiled_block_offset(0, c0 + c, 0) >> 2))
     wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + (tiled_block_offset(0, c0 + c, 0) >> 2))
-    sv[i] = UInt32(load[read_only=True, eviction_policy=na](s_g + tiled_scale_offset(0, c0 + c, 0)))
-    sv[i + 1] = UInt32(load[read_only=True, eviction_policy=na](s_g8 + tiled_scale_offset(0, c0 + c, 0)))
+
+
+@always_inline
+def _read_scales[
+    slot: Int
+](mut sv: Array[UInt32, RING], s_g: SharedU8, s_g8: SharedU8, c0: Int, nchunks: Int, batch: Int, q: Int):
+    """The scale bytes of the batch _load_batch put in ring slot `slot`, from
+    the warp's shared copy of the tile's scales (s_g, s_g8: rows g and g + 8,
+    scale 0)."""
+    comptime i = 2 * slot
+    var c = min(4 * batch + q, nchunks - 1)
+    sv[i] = UInt32(s_g[tiled_scale_offset(0, c0 + c, 0)])
+    sv[i + 1] = UInt32(s_g8[tiled_scale_offset(0, c0 + c, 0)])
 
 
 @always_inline
@@ -289,21 +303,28 @@ def _load_b[
 
 
 @always_inline
-def _any_scale_above_128(s_tile: Pointer[UInt8, _], n_bytes: Int) -> Bool:
-    """Warp-wide: does any of the n_bytes scale bytes at s_tile exceed 128
-    (weights of magnitude >= 12, which need the two-multiply decode)?"""
+def _stage_scales(s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool:
+    """Warp-wide: copy the n_bytes (<= TILE_SCALES) scale bytes at s_tile into
+    this warp's shared sm, and tell whether any exceeds 128 (weights of
+    magnitude >= 12, which need the two-multiply decode)."""
     var lane = Int(lane_id())
     var big = UInt32(0)
+    comptime na = CacheEviction.NO_ALLOCATE
     if (Int(s_tile) & 15) == 0 and (n_bytes & 15) == 0:
         var v = s_tile.unsafe_bitcast[UInt32]()
+        var d = sm.unsafe_bitcast[UInt32]()
         for i in range(lane, n_bytes >> 4, 32):
-            var w = v.unsafe_load[width=4, alignment=16](4 * i)
+            var w = load[width=4, read_only=True, eviction_policy=na, alignment=16](v + 4 * i)
+            d.unsafe_store[width=4, alignment=16](4 * i, w)
             # per byte: high bit set and some low bit set
             big |= ((w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)).reduce_or()
     else:
         for i in range(lane, n_bytes, 32):
-            if s_tile[unsafe_offset=i] > 128:
+            var b = s_tile[unsafe_offset=i]
+            sm[i] = b
+            if b > 128:
                 big = 1
+    syncwarp()
     return vote[DType.uint32](big != 0) != 0
 
 
@@ -315,8 +336,8 @@ def _tile_loop[
     mut sv: Array[UInt32, RING],
     w_g: Pointer[UInt32, _],
     w_g8: Pointer[UInt32, _],
-    s_g: Pointer[UInt8, _],
-    s_g8: Pointer[UInt8, _],
+    s_g: SharedU8,
+    s_g8: SharedU8,
     c0: Int,
     nchunks: Int,
     brow: Pointer[UInt32, _],
@@ -341,7 +362,9 @@ def _tile_loop[
         comptime for i in range(DEPTH):
             if bt + i < nb:
                 if bt + i + DEPTH - 1 < nb:
-                    _load_batch[(i + DEPTH - 1) % DEPTH](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
+                    comptime nxt = (i + DEPTH - 1) % DEPTH
+                    _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + DEPTH - 1, q)
+                    _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
                 bring[(i + 1) % 2] = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
                 _mma_batch[amode, big, i](wv, sv, acc0, acc1, bring[i % 2])
         bt += DEPTH
@@ -358,6 +381,9 @@ def _tile16[
     s_g8: Pointer[UInt8, _],
     s_tile: Pointer[UInt8, _],
     tile_scale_bytes: Int,
+    sm: SharedU8,
+    mut big: Bool,
+    first_pass: Bool,
     c0: Int,
     nchunks: Int,
     brow: Pointer[UInt32, _],
@@ -367,8 +393,9 @@ def _tile16[
     g + 8: w_g/s_g, w_g8/s_g8 at their block 0 in the tiled layout, clamped
     to a real row when out of range; its blocks c0 .. c0 + nchunks - 1; the
     tile's real scale rows at s_tile: tile_scale_bytes bytes, every block of
-    those rows, wherever this warp's nchunks blocks start) and up to 8 tokens
-    (this lane serves token g: brow). Lane (g, q) reads the blocks q, q + 4,
+    those rows, wherever this warp's nchunks blocks start, copied to the
+    warp's shared sm on the first token pass, which also sets `big`: some
+    scale above 128) and up to 8 tokens (this lane serves token g: brow). Lane (g, q) reads the blocks q, q + 4,
     ... of its two rows, one per batch, DEPTH - 1 batches ahead. Returns
     this lane's fragment: rows g (c0, c1) and g + 8 (c2, c3), tokens 2q and
     2q + 1."""
@@ -376,14 +403,22 @@ def _tile16[
     var nb = (nchunks + 3) // 4
     var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
     var sv = Array[UInt32, RING](fill=0)
+    # the rows' scale 0 in the shared copy, at the offsets they have in s_tile
+    var ss_g = sm + (Int(s_g) - Int(s_tile))
+    var ss_g8 = sm + (Int(s_g8) - Int(s_tile))
     comptime for i in range(DEPTH - 1):
         if i < nb:
-            _load_batch[i](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, i, q)
-    # Scales above 128 are rare: one check per tile while the first batches
-    # load, then a loop specialised either way.
-    if _any_scale_above_128(s_tile, tile_scale_bytes):
-        return _tile_loop[amode, True](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, brow, lo_off)
-    return _tile_loop[amode, False](wv, sv, w_g, w_g8, s_g, s_g8, c0, nchunks, brow, lo_off)
+            _load_batch[i](wv, w_g, w_g8, c0, nchunks, i, q)
+    # The tile's scales are staged (first pass) while those loads fly, with
+    # the check for scales above 128 (rare: then a loop specialised for them).
+    if first_pass:
+        big = _stage_scales(s_tile, tile_scale_bytes, sm)
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _read_scales[i](sv, ss_g, ss_g8, c0, nchunks, i, q)
+    if big:
+        return _tile_loop[amode, True](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
+    return _tile_loop[amode, False](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
 
 
 @always_inline
@@ -425,7 +460,7 @@ def _tile_rows(
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(_min_blocks_per_sm(warps)))
 def gate_up_kernel[
-    x_dtype: DType, warps: Int
+    x_dtype: DType, warps: Int, one_token: Bool
 ](
     h: Pointer[Float32, MutAnyOrigin],
     counters: Pointer[UInt32, MutAnyOrigin],
@@ -441,7 +476,9 @@ def gate_up_kernel[
     rows_: Int64,
     hidden_: Int64,
 ):
-    """rows = 2I (gate/up interleaved), h [pairs, I] f32."""
+    """rows = 2I (gate/up interleaved), h [pairs, I] f32. one_token: the step
+    has one token, so grid slot k serves pair k (expert ids[k]) without the
+    warp-wide routing (a repeated expert is then read once per pair)."""
     var n_counters = Int(n_counters_)
     var n_pairs = Int(n_pairs_)
     var top_k = Int(top_k_)
@@ -452,15 +489,28 @@ def gate_up_kernel[
     comptime threads = warps * 32
     var plists = stack_allocation[warps * MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
     var plist = plists + Int(warp_id()) * MAX_PAIRS
+    var sms = stack_allocation[warps * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    var sm = sms + Int(warp_id()) * TILE_SCALES
     var tid = Int(thread_idx.x)
     if block_idx.x == 0 and block_idx.y == 0:
         for i in range(tid, n_counters, threads):
             counters[unsafe_offset=i] = 0
-    var rt = _route_warp(ids, n_pairs, n_experts, Int(block_idx.y), plist)
-    var e = Int(rt[0])
-    if e < 0:
-        return
-    var npairs_e = Int(rt[2])
+    var e: Int
+    var npairs_e: Int
+    comptime if one_token:
+        e = Int(ids[unsafe_offset=Int(block_idx.y)])
+        if e < 0 or e >= n_experts:
+            return
+        npairs_e = 1
+        if lane_id() == 0:
+            plist[0] = Int32(block_idx.y)
+        syncwarp()
+    else:
+        var rt = _route_warp(ids, n_pairs, n_experts, Int(block_idx.y), plist)
+        e = Int(rt[0])
+        if e < 0:
+            return
+        npairs_e = Int(rt[2])
     var nchunks = hidden // 32
     var inter = rows // 2
     var r0 = (Int(block_idx.x) * warps + Int(warp_id())) * 16
@@ -478,13 +528,16 @@ def gate_up_kernel[
     # h rows as bf16: hi pair words (decode order), then lo (f32 graphs).
     var hb = h.unsafe_bitcast[BFloat16]()
     var odd = (g & 1) != 0
+    var big = False
     var first = 0
     while first < npairs_e:
         var has_tok = first + g < npairs_e
         var p = Int(plist[first + g]) if has_tok else 0
         var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
         comptime amode = A_F32 if split else A_BF16
-        var acc = _tile16[amode](w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, 0, nchunks, xrow, 0)
+        var acc = _tile16[amode](
+            w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, sm, big, first == 0, 0, nchunks, xrow, 0
+        )
         # Rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4: the
         # even lane keeps token 2q, the odd one token 2q + 1.
         var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
@@ -543,6 +596,8 @@ def down_kernel[
     var red = stack_allocation[warps * 32 * 4, Float32, address_space=AddressSpace.SHARED]()
     var plists = stack_allocation[warps * MAX_PAIRS, Int32, address_space=AddressSpace.SHARED]()
     var plist = plists + Int(warp_id()) * MAX_PAIRS
+    var sms = stack_allocation[warps * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    var sm = sms + Int(warp_id()) * TILE_SCALES
     var last = stack_allocation[1, Int32, address_space=AddressSpace.SHARED]()
     var tid = Int(thread_idx.x)
     var tokens = n_pairs // top_k
@@ -579,6 +634,7 @@ def down_kernel[
     var s_b = rp[3]
     var s_tile = rp[4]
     var hw = h.unsafe_bitcast[UInt32]()
+    var big = False
     var first = 0
     while first < npairs_e:
         var has_tok = first + g < npairs_e
@@ -593,6 +649,9 @@ def down_kernel[
             s_b,
             s_tile,
             min(16, hidden - r0) * nchunks,  # all the tile's scales (one contiguous run)
+            sm,
+            big,
+            first == 0,
             kc0,
             nloc,
             hrow,
@@ -648,13 +707,85 @@ def down_kernel[
             output[unsafe_offset=t * hidden + r] = s.cast[out_dtype]()
 
 
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(MAX_TOPK * DOWN_KSPLIT_FEW * 32)))
+# 2 blocks (16 warps) per SM: the 180 tiles of gpt-oss then run in one wave.
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(2))
+def down_one_token_kernel[
+    out_dtype: DType
+](
+    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
+    h: Pointer[Float32, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k_: Int64,
+    n_experts_: Int64,
+    hidden_: Int64,
+    inter_: Int64,
+):
+    """down + combine for a one-token step: a block per 16-row tile holds all
+    top_k experts (DOWN_KSPLIT_FEW warps each, over parts of I) and sums them
+    in shared memory in a fixed order (deterministic), so no partials reach
+    global memory and no block waits on a counter. Warp w serves pair
+    w // DOWN_KSPLIT_FEW (expert ids[pair]; an invalid id adds nothing)."""
+    comptime ksplit = DOWN_KSPLIT_FEW
+    comptime nw = MAX_TOPK * ksplit
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var hidden = Int(hidden_)
+    var inter = Int(inter_)
+    comptime split = out_dtype != DType.bfloat16
+    var red = stack_allocation[nw * 32 * 4, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    var sms = stack_allocation[nw * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    var w = Int(warp_id())
+    var sm = sms + w * TILE_SCALES
+    var lane = Int(lane_id())
+    var k = w // ksplit
+    var kw = w % ksplit
+    var r0 = Int(block_idx.x) * 16
+    var g = lane >> 2
+    var e = Int(ids[unsafe_offset=k]) if k < top_k else -1
+    var acc = SIMD[DType.float32, 4](0)
+    if e >= 0 and e < n_experts:
+        var nchunks = inter // 32
+        var kc0 = nchunks * kw // ksplit
+        var nloc = nchunks * (kw + 1) // ksplit - kc0
+        var rp = _tile_rows(blocks, scales, e, hidden, r0, g, r0 + g < hidden, r0 + g + 8 < hidden, nchunks)
+        var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter + kc0 * 16)
+        comptime amode = A_WORDS_SPLIT if split else A_WORDS
+        var big = False
+        acc = _tile16[amode](
+            rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
+        )
+    (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
+    barrier()
+    # Token 0 is column 0 of the fragment: lanes (g, q = 0) hold rows g
+    # (acc[0]) and g + 8 (acc[2]). Thread t < 16 sums row r0 + t.
+    var t = Int(thread_idx.x)
+    if t < 16:
+        var r = r0 + t
+        if r < hidden:
+            var slot = ((t & 7) * 4) * 4 + (t >> 3) * 2
+            var total: Float32 = 0
+            for kk in range(top_k):
+                var ek = Int(ids[unsafe_offset=kk])
+                if ek >= 0 and ek < n_experts:
+                    var v = bias[unsafe_offset=ek * hidden + r]
+                    comptime for j in range(ksplit):
+                        v += red[(kk * ksplit + j) * 128 + slot]
+                    total += wts[unsafe_offset=kk] * v
+            output[unsafe_offset=r] = total.cast[out_dtype]()
+
+
 def n_counters(hidden: Int) -> Int:
     """Length of the counters tensor: one per down row tile (at most)."""
     return (hidden + COUNTER_TILE_ROWS - 1) // COUNTER_TILE_ROWS
 
 
 def _launch_gate_up[
-    x_dtype: DType, warps: Int
+    x_dtype: DType, warps: Int, one_token: Bool
 ](
     ctx: DeviceContext,
     h: Pointer[Float32, MutAnyOrigin],
@@ -672,10 +803,10 @@ def _launch_gate_up[
     hidden: Int,
 ) raises:
     var n_pairs = tokens * top_k
-    ctx.enqueue_function[gate_up_kernel[x_dtype, warps]](
+    ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token]](
         h, counters, Int64(n_count), x, ids, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
-        grid_dim=((rows + warps * 16 - 1) // (warps * 16), min(n_experts, n_pairs)),
+        grid_dim=((rows + warps * 16 - 1) // (warps * 16), n_pairs if one_token else min(n_experts, n_pairs)),
         block_dim=warps * 32,
     )
 
@@ -699,15 +830,20 @@ def launch_gate_up[
     hidden: Int,
 ) raises:
     """gate_up for at most CHUNK_TOKENS tokens; also zeroes the counters."""
-    if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0:
-        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0")
-    if tokens <= FEW_TOKENS:
-        _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW](
+    if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
+        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
+    if tokens == 1:
+        _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True](
+            ctx, h, counters, n_count, x, ids, blocks, scales, bias,
+            tokens, top_k, n_experts, rows, hidden,
+        )
+    elif tokens <= FEW_TOKENS:
+        _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, False](
             ctx, h, counters, n_count, x, ids, blocks, scales, bias,
             tokens, top_k, n_experts, rows, hidden,
         )
     else:
-        _launch_gate_up[x_dtype, WARPS_MANY](
+        _launch_gate_up[x_dtype, WARPS_MANY, False](
             ctx, h, counters, n_count, x, ids, blocks, scales, bias,
             tokens, top_k, n_experts, rows, hidden,
         )
@@ -763,9 +899,16 @@ def launch_down[
     """down + top-k combine for at most CHUNK_TOKENS tokens. h is kept as
     bf16 hi + lo (two mma) only for a float32 output; a bf16 output takes
     h rounded to bf16, as the rest of a bf16 graph does."""
-    if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0:
-        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0")
-    if tokens <= FEW_TOKENS:
+    if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0 or inter > 32 * MAX_K_BLOCKS:
+        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0, I <= 3072")
+    if tokens == 1 and top_k <= MAX_TOPK:
+        ctx.enqueue_function[down_one_token_kernel[out_dtype]](
+            output, h, ids, wts, blocks, scales, bias,
+            Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
+            grid_dim=(hidden + 15) // 16,
+            block_dim=MAX_TOPK * DOWN_KSPLIT_FEW * 32,
+        )
+    elif tokens <= FEW_TOKENS:
         _launch_down[out_dtype, DOWN_WARPS_FEW, DOWN_KSPLIT_FEW](
             ctx, output, partial, counters, h, ids, wts, blocks, scales, bias,
             tokens, top_k, n_experts, hidden, inter,
