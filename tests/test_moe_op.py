@@ -51,6 +51,11 @@ CASES = [
     Case("top1", 9, 4, 1, 64, 64),
     Case("dropped_slots", 11, 8, 4, 64, 64, routing="dropped"),
     Case("one_token_big_scale", 1, 8, 4, 64, 64, outlier=40.0),
+    # one-token GPU kernels (slot = pair, experts summed in the down block):
+    # an id of -1 and one of E, fewer slots than 4, more than 4 (general down)
+    Case("one_token_dropped", 1, 8, 4, 64, 64, routing="dropped"),
+    Case("one_token_top2", 1, 4, 2, 64, 128),
+    Case("one_token_top8", 1, 16, 8, 64, 64),
 ]
 
 
