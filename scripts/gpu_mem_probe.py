@@ -41,6 +41,32 @@ GATE_UP_BYTES = 2 * INTER * HIDDEN // 2  # one expert's gate_up blocks
 DOWN_BYTES = HIDDEN * INTER // 2
 TILE = 16 * HIDDEN // 2  # the decode kernels' 16-row tile: 23,040 B
 
+# (chunk bytes per warp, warps per block, warps per SM the registers allow, 16-byte loads per
+# lane per batch, batches in flight); the first is the decode kernels' structure at T = 1.
+TILE_VARIANTS = (
+    (TILE, 2, 12, 2, 2),
+    (TILE, 2, 12, 2, 4),
+    (TILE, 2, 12, 2, 8),
+    (TILE, 2, 12, 1, 4),
+    (TILE, 4, 16, 2, 4),
+    (TILE, 4, 32, 2, 4),
+    (TILE // 2, 2, 24, 2, 4),
+    (TILE // 2, 4, 32, 2, 4),
+    (TILE // 2, 4, 32, 1, 8),
+    (TILE // 4, 4, 32, 1, 4),
+    (TILE // 4, 8, 48, 1, 4),
+    (TILE // 8, 8, 64, 1, 4),
+)
+
+
+def tile_grid(region: int, chunk: int, warps: int) -> tuple[int, int] | None:
+    """Launch grid of tile_read over 4 experts' regions (blocks of `warps` warps, a chunk per
+    warp), or None when the chunks would not tile a region exactly."""
+    if chunk % 16 or chunk < 512 or region % (chunk * warps):
+        return None
+    return (region // (chunk * warps), 4)
+
+
 SOURCE = r"""
 // each RawModule is compiled with the -D values of one variant; the rest take these
 #ifndef CHUNK
@@ -209,8 +235,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def add(label: str, region: int, us: float):
         bw = 4 * region / (us * 1e-6) / 1e12
-        rows.append({"variant": label, "bytes": 4 * region, "us": round(us, 2), "tb_s": round(bw, 3),
-                     "frac_of_copy": round(bw / copy_tb_s, 3)})
+        rows.append(
+            {
+                "variant": label,
+                "bytes": 4 * region,
+                "us": round(us, 2),
+                "tb_s": round(bw, 3),
+                "frac_of_copy": round(bw / copy_tb_s, 3),
+            }
+        )
         print(f"{label:48s} {us:8.2f} us  {bw:5.2f} TB/s  {bw / copy_tb_s:5.2f} of copy", flush=True)
 
     e = kernel("empty_kernel")
@@ -219,34 +252,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'empty launch':48s} {t_empty:8.2f} us", flush=True)
 
     for region, shape in ((GATE_UP_BYTES, "gate_up"), (DOWN_BYTES, "down")):
-        for chunk, w, minw, u, d in (
-            (TILE, 2, 12, 2, 2),  # the decode kernels' structure at T = 1
-            (TILE, 2, 12, 2, 4),
-            (TILE, 2, 12, 2, 8),
-            (TILE, 2, 12, 1, 4),
-            (TILE, 4, 16, 2, 4),
-            (TILE, 4, 32, 2, 4),
-            (TILE // 2, 2, 24, 2, 4),
-            (TILE // 2, 4, 32, 2, 4),
-            (TILE // 2, 4, 32, 1, 8),
-            (TILE // 4, 4, 32, 1, 4),
-            (TILE // 4, 8, 48, 1, 4),
-            (TILE // 8, 8, 64, 1, 4),
-        ):
-            if region % (chunk * w):
+        for chunk, w, minw, u, d in TILE_VARIANTS:
+            grid = tile_grid(region, chunk, w)
+            if grid is None:
                 continue
             k = kernel("tile_read", CHUNK=chunk, W=w, MINB=max(1, minw // w), U=u, D=d)
-            grid = (region // (chunk * w), 4)
             label = f"{shape} tile {chunk}B W{w} M{minw} U{u} D{d} ({grid[0] * w * 4} warps)"
-            us = time_chain(lambda o, k=k, grid=grid, w=w: k(grid, (32 * w,), (buf, o, out, cp.uint32(0))),
-                            lambda region=region: offsets(region, args.chain))
+            us = time_chain(
+                lambda o, k=k, grid=grid, w=w: k(grid, (32 * w,), (buf, o, out, cp.uint32(0))),
+                lambda region=region: offsets(region, args.chain),
+            )
             add(label, region, us)
         for blocks_per_sm, unr in ((4, 4), (8, 4), (8, 8), (16, 4)):
             k = kernel("stream_read", UNR=unr)
             grid = (n_sm * blocks_per_sm,)
             label = f"{shape} stream {blocks_per_sm}x256/SM U{unr}"
-            us = time_chain(lambda o, k=k, grid=grid, region=region: k(grid, (256,), (buf, o, cp.int64(region), out, cp.uint32(0))),
-                            lambda region=region: offsets(region, args.chain))
+            us = time_chain(
+                lambda o, k=k, grid=grid, region=region: k(grid, (256,), (buf, o, cp.int64(region), out, cp.uint32(0))),
+                lambda region=region: offsets(region, args.chain),
+            )
             add(label, region, us)
 
     tag = "h100" if "H100" in name else "h200" if "H200" in name else name.lower().replace(" ", "_")

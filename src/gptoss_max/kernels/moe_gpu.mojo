@@ -36,6 +36,14 @@
 # (global counter, zeroed by gate_up of the same step, reset by that last
 # block for the next chunk) sums them over k in a fixed order and writes the
 # output: deterministic, no float atomics.
+#
+# A one-token step (batch-1 decode) takes two shortcuts (v12, bench/NOTES.md):
+# gate_up's grid slot k serves pair k (expert ids[k]) with no warp-wide
+# routing, and down_one_token_kernel holds a 16-row tile of all top_k experts
+# in one block and sums them in shared memory, so no partials, counter or
+# last-block pass. Each warp also copies its tile's scale bytes to shared
+# memory once (with the scan for scales above 128) instead of loading two
+# bytes from global memory per batch.
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
