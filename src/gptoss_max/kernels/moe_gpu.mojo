@@ -49,7 +49,7 @@ from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barri
 from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import byte_permute, threadfence
-from max.gpu.memory import AddressSpace, CacheEviction, load
+from max.gpu.memory import AddressSpace, CacheEviction, async_copy, async_copy_commit_group, async_copy_wait_group, load
 from max.gpu.primitives.warp import shuffle_xor, vote
 from max.gpu.sync import syncwarp
 from std.atomic import Atomic
@@ -533,6 +533,13 @@ def gate_up_kernel[
     var s_a = rp[2]
     var s_b = rp[3]
     var s_tile = rp[4]
+    # The tile's 16 bias values go to shared memory by cp.async now and are
+    # read after the first pass: no dependent load after the loop.
+    var bsm = stack_allocation[warps * 16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    var bw = bsm + Int(warp_id()) * 16
+    if lane < 16 and r0 + lane < rows:
+        async_copy[4](bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane)
+    async_copy_commit_group()
     # h rows as bf16: hi pair words (decode order), then lo (f32 graphs).
     var hb = h.unsafe_bitcast[BFloat16]()
     var odd = (g & 1) != 0
@@ -550,6 +557,9 @@ def gate_up_kernel[
         # even lane keeps token 2q, the odd one token 2q + 1.
         var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
         var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
+        if first == 0:
+            async_copy_wait_group(0)
+            syncwarp()
         var gates = SIMD[DType.float32, 2](got0, got1) if odd else SIMD[DType.float32, 2](acc[0], acc[2])
         var ups = SIMD[DType.float32, 2](acc[1], acc[3]) if odd else SIMD[DType.float32, 2](got0, got1)
         var slot_t = first + 2 * q + (g & 1)
@@ -558,8 +568,8 @@ def gate_up_kernel[
             comptime for hh in range(2):
                 var gr = r0 + (g & ~1) + 8 * hh
                 if gr + 1 < rows:
-                    var gate = gates[hh] + bias[unsafe_offset=e * rows + gr]
-                    var up = ups[hh] + bias[unsafe_offset=e * rows + gr + 1]
+                    var gate = gates[hh] + bw[gr - r0]
+                    var up = ups[hh] + bw[gr - r0 + 1]
                     var v = gptoss_swiglu(gate, up)
                     var at = pt * 2 * inter + h_slot(gr >> 1)
                     var vb = v.cast[DType.bfloat16]()
@@ -755,8 +765,26 @@ def down_one_token_kernel[
     var r0 = Int(block_idx.x) * 16
     var g = lane >> 2
     var e = Int(ids[unsafe_offset=k]) if k < top_k else -1
+    var valid = e >= 0 and e < n_experts
+    # What the final sum needs besides the fragments (each expert's 16 bias
+    # values, its weight, whether it counts) reaches shared memory while the
+    # tile streams: cp.async, no dependent load after the barrier.
+    var bsm = stack_allocation[MAX_TOPK * 16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    var wsm = stack_allocation[MAX_TOPK, Float32, address_space=AddressSpace.SHARED]()
+    var vsm = stack_allocation[MAX_TOPK, Int32, address_space=AddressSpace.SHARED]()
+    if kw == 0:
+        if valid and lane < 16 and r0 + lane < hidden:
+            async_copy[4](
+                bias.unsafe_offset(e * hidden + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+                bsm + k * 16 + lane,
+            )
+        if valid and lane == 16:
+            async_copy[4](wts.unsafe_offset(k).unsafe_address_space_cast[AddressSpace.GLOBAL](), wsm + k)
+        if lane == 0:
+            vsm[k] = 1 if valid else 0
+    async_copy_commit_group()
     var acc = SIMD[DType.float32, 4](0)
-    if e >= 0 and e < n_experts:
+    if valid:
         var nchunks = inter // 32
         var kc0 = nchunks * kw // ksplit
         var nloc = nchunks * (kw + 1) // ksplit - kc0
@@ -768,6 +796,7 @@ def down_one_token_kernel[
             rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
         )
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
+    async_copy_wait_group(0)
     barrier()
     # Token 0 is column 0 of the fragment: lanes (g, q = 0) hold rows g
     # (acc[0]) and g + 8 (acc[2]). Thread t < 16 sums row r0 + t.
@@ -778,12 +807,11 @@ def down_one_token_kernel[
             var slot = ((t & 7) * 4) * 4 + (t >> 3) * 2
             var total: Float32 = 0
             for kk in range(top_k):
-                var ek = Int(ids[unsafe_offset=kk])
-                if ek >= 0 and ek < n_experts:
-                    var v = bias[unsafe_offset=ek * hidden + r]
+                if vsm[kk] != 0:
+                    var v = bsm[kk * 16 + t]
                     comptime for j in range(ksplit):
                         v += red[(kk * ksplit + j) * 128 + slot]
-                    total += wts[unsafe_offset=kk] * v
+                    total += wsm[kk] * v
             output[unsafe_offset=r] = total.cast[out_dtype]()
 
 
