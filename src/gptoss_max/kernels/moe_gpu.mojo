@@ -533,13 +533,18 @@ def gate_up_kernel[
     var s_a = rp[2]
     var s_b = rp[3]
     var s_tile = rp[4]
-    # The tile's 16 bias values go to shared memory by cp.async now and are
-    # read after the first pass: no dependent load after the loop.
+    # One-token steps: the tile's 16 bias values go to shared memory by
+    # cp.async now and are read after the loop, which then ends with no
+    # dependent global load (T = 1 -1.1 us; with more tokens it measured
+    # slower, so they load the bias after the loop: bench/NOTES.md, v12b).
     var bsm = stack_allocation[warps * 16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
     var bw = bsm + Int(warp_id()) * 16
-    if lane < 16 and r0 + lane < rows:
-        async_copy[4](bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane)
-    async_copy_commit_group()
+    comptime if one_token:
+        if lane < 16 and r0 + lane < rows:
+            async_copy[4](
+                bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane
+            )
+        async_copy_commit_group()
     # h rows as bf16: hi pair words (decode order), then lo (f32 graphs).
     var hb = h.unsafe_bitcast[BFloat16]()
     var odd = (g & 1) != 0
@@ -557,7 +562,7 @@ def gate_up_kernel[
         # even lane keeps token 2q, the odd one token 2q + 1.
         var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
         var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
-        if first == 0:
+        comptime if one_token:
             async_copy_wait_group(0)
             syncwarp()
         var gates = SIMD[DType.float32, 2](got0, got1) if odd else SIMD[DType.float32, 2](acc[0], acc[2])
@@ -568,8 +573,14 @@ def gate_up_kernel[
             comptime for hh in range(2):
                 var gr = r0 + (g & ~1) + 8 * hh
                 if gr + 1 < rows:
-                    var gate = gates[hh] + bw[gr - r0]
-                    var up = ups[hh] + bw[gr - r0 + 1]
+                    var gate: Float32
+                    var up: Float32
+                    comptime if one_token:
+                        gate = gates[hh] + bw[gr - r0]
+                        up = ups[hh] + bw[gr - r0 + 1]
+                    else:
+                        gate = gates[hh] + bias[unsafe_offset=e * rows + gr]
+                        up = ups[hh] + bias[unsafe_offset=e * rows + gr + 1]
                     var v = gptoss_swiglu(gate, up)
                     var at = pt * 2 * inter + h_slot(gr >> 1)
                     var vb = v.cast[DType.bfloat16]()
