@@ -9,7 +9,7 @@ wheel: `pip download --no-deps triton`, then unzip `triton/backends/nvidia/bin/n
 writes the SASS and counts its instructions by opcode.
 
     python3 scripts/kernel_asm.py --out asm --ptxas PATH/ptxas --nvdisasm PATH/nvdisasm \\
-        'moe_gpu.gate_up_kernel[DType.bfloat16, 2]' \\
+        'moe_gpu.gate_up_kernel[DType.bfloat16, 2, True]' \\
         'attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]'
 
 Each kernel is `module.function[parameters]` as Mojo spells it.
@@ -101,7 +101,7 @@ def loops(sass: str, needs: str = "HMMA") -> list[tuple[str, collections.Counter
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="+",
-                    help="module.function[params], e.g. 'moe_gpu.gate_up_kernel[DType.bfloat16, 2]'")  # fmt: skip
+                    help="module.function[params], e.g. 'moe_gpu.gate_up_kernel[DType.bfloat16, 2, True]'")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True, help="directory for the .ptx (and .cubin, .sass) files")
     ap.add_argument("--ptxas", help="ptxas binary: registers, spills and shared memory per kernel")
     ap.add_argument("--nvdisasm", help="nvdisasm binary (needs --ptxas): SASS and its opcode counts")

@@ -15,16 +15,24 @@ def asm():
 
 def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     specs = [
-        "moe_gpu.gate_up_kernel[DType.bfloat16, 2]",
+        "moe_gpu.gate_up_kernel[DType.bfloat16, 2, True]",
+        "moe_gpu.gate_up_kernel[DType.bfloat16, 4, False]",
+        "moe_gpu.down_one_token_kernel[DType.bfloat16]",
         "attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up, merge, tc4, tc8 = ptx.values()
-    assert ".target sm_90a" in gate_up and ".entry" in gate_up
-    assert "mma.sync.aligned.m16n8k16" in gate_up  # tensor cores
+    gate_up1, gate_up, down1, merge, tc4, tc8 = ptx.values()
+    for k in (gate_up1, gate_up, down1):
+        assert ".target sm_90a" in k and ".entry" in k
+        assert "mma.sync.aligned.m16n8k16" in k  # tensor cores
+    # one-token kernels prefetch their bias by cp.async; the general gate_up does not (v12c:
+    # measured slower there), and only the one-token down sums its experts behind a barrier
+    assert "cp.async" in gate_up1 and "cp.async" in down1
+    assert "cp.async" not in gate_up
+    assert "bar.sync" in down1 and "atom." not in down1
     assert "ex2.approx" in merge and ".entry" in merge
     # the merge broadcasts each split's weight from the lane that read it: one shuffle per split
     assert merge.count("shfl.sync.idx") == 16

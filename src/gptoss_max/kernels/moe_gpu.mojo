@@ -41,9 +41,11 @@
 # gate_up's grid slot k serves pair k (expert ids[k]) with no warp-wide
 # routing, and down_one_token_kernel holds a 16-row tile of all top_k experts
 # in one block and sums them in shared memory, so no partials, counter or
-# last-block pass. Each warp also copies its tile's scale bytes to shared
-# memory once (with the scan for scales above 128) instead of loading two
-# bytes from global memory per batch.
+# last-block pass. Both start a cp.async of the bias values (and down of the
+# expert weights) they add at the end, so neither ends on a dependent global
+# load (v12c). Each warp also copies its tile's scale bytes to shared memory
+# once (with the scan for scales above 128) instead of loading two bytes from
+# global memory per batch.
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
