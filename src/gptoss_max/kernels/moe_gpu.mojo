@@ -405,8 +405,9 @@ def _tile16[
     tile's real scale rows at s_tile: tile_scale_bytes bytes, every block of
     those rows, wherever this warp's nchunks blocks start, copied to the
     warp's shared sm on the first token pass, which also sets `big`: some
-    scale above 128) and up to 8 tokens (this lane serves token g: brow). Lane (g, q) reads the blocks q, q + 4,
-    ... of its two rows, one per batch, DEPTH - 1 batches ahead. Returns
+    scale above 128) and up to 8 tokens (this lane serves token g: brow).
+    Lane (g, q) reads the blocks q, q + 4, ... of its two rows, one per
+    batch, DEPTH - 1 batches ahead. Returns
     this lane's fragment: rows g (c0, c1) and g + 8 (c2, c3), tokens 2q and
     2q + 1."""
     var q = Int(lane_id()) & 3
