@@ -191,6 +191,34 @@ def router_topk(logits: TensorValue, k: int) -> tuple[TensorValue, TensorValue]:
     return ids.tensor, weights.tensor
 
 
+GEMV_MAX_TOKENS = 2  # gemv.mojo: the GPU path's bound (the CPU path takes any T)
+GEMV_MAX_K = 4096
+
+
+def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = True) -> TensorValue:
+    """`x [T, K] @ weight[N, K]^T + bias [N]`, all bf16 (gemv.mojo): a warp per output row for
+    decode steps. The GPU path takes T <= 2 and K <= 4096 (a caller dispatches larger steps to
+    a matmul); the CPU path any T. `staged`: the GPU path stages each row in shared memory by
+    cp.async (else registers). Not yet used by the model: bench/gemv.py times it first."""
+    for name, v, rank in (("x", x, 2), ("weight", weight, 2), ("bias", bias, 1)):
+        if v.dtype != DType.bfloat16 or v.rank != rank:
+            raise TypeError(f"{name} must be a rank-{rank} bfloat16 tensor, got {v.dtype} rank {v.rank}")
+    _check_dim("weight K", weight.shape[1], x.shape[1])
+    _check_dim("bias N", bias.shape[0], weight.shape[0])
+    k = x.shape[1]
+    if isinstance(k, StaticDim) and int(k) % 8:
+        raise ValueError(f"gemv needs K % 8 == 0, got K={int(k)}")
+    _load_kernels()
+    (y,) = ops.custom(
+        "gptoss_gemv",
+        x.device,
+        [x, weight, bias],
+        [TensorType(DType.bfloat16, [x.shape[0], weight.shape[0]], x.device)],
+        parameters={"staged": staged},
+    )
+    return y.tensor
+
+
 def mxfp4_decode(
     blocks: TensorValue,  # [..., n/2] u8
     scales: TensorValue,  # [..., n/32] u8

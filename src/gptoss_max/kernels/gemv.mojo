@@ -1,0 +1,192 @@
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from layout import coord_to_index_list
+from max.algorithm import elementwise
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, lane_id, warp_id
+from max.gpu.host import DeviceContext
+from max.gpu.memory import AddressSpace, CacheEviction, async_copy, async_copy_commit_group, async_copy_wait_group, load
+from max.gpu.primitives.warp import shuffle_xor
+from std.collections import Array
+from std.memory import bitcast, stack_allocation
+from std.utils.coord import Coord
+from std.utils.static_tuple import StaticTuple
+
+# A dense bf16 GEMV for decode steps of one or two tokens: y = x W^T + b
+# (W [N, K] row-major, as MAX's Linear stores it). Why: in a 120b batch-1
+# step MAX runs qkv and o_proj with its split-K GEMV at ~2.4 TB/s, while its
+# own LM-head GEMV reaches the copy bandwidth (bench/NOTES.md). Not yet wired
+# into the model nor timed on a GPU.
+#
+# GPU: a warp per output row; lane l reads the row's 16-byte chunks l, l + 32,
+# ... (up to GEMV_MAX_CHUNKS per lane, so a row of K <= 4,096 bf16), then
+# multiplies them with x in f32 and the warp sums by shuffles. Rows of a block
+# are consecutive. Two ways to get the chunks in flight together, timed
+# against each other by bench/gemv.py:
+#   registers (staged = False): all loads issued before the math; ptxas
+#       may still sink them toward their use (sm_90a SASS of [2, 16]: 48
+#       registers, the weight loads spread through the FMAs);
+#   shared memory (staged = True): cp.async of every chunk into the warp's
+#       slice, one wait, then the math from shared memory (no registers held
+#       by loads in flight; 32 KB per block of 4 warps at K = 4,096).
+# The op's `staged` parameter picks one (ops.gemv: staged by default).
+# CPU: a task per (token, row), the same f32 sum.
+
+comptime GEMV_WARPS = 4
+comptime GEMV_MAX_TOKENS = 2
+comptime GEMV_MAX_CHUNKS = 16  # per lane: K <= 16 * 32 * 8 = 4096
+
+
+@always_inline
+def _bf16_pair_f32(w: UInt32) -> SIMD[DType.float32, 2]:
+    """The two bf16 of a word (low half first) as f32: exact, two integer ops."""
+    return SIMD[DType.float32, 2](bitcast[DType.float32, 1](w << 16), bitcast[DType.float32, 1](w & 0xFFFF0000))
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(GEMV_WARPS * 32)))
+def gemv_kernel[
+    tokens: Int, chunks: Int, staged: Bool
+](
+    y: Pointer[BFloat16, MutAnyOrigin],
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    n_: Int64,
+    k_: Int64,
+):
+    """tokens (1..GEMV_MAX_TOKENS) rows of x; chunks = 16-byte chunks per
+    lane, ceil(K / 256)."""
+    var n = Int(n_)
+    var k = Int(k_)
+    var row = Int(block_idx.x) * GEMV_WARPS + Int(warp_id())
+    if row >= n:
+        return
+    var lane = Int(lane_id())
+    var nch = k // 8
+    var wrow = w.unsafe_offset(row * k).unsafe_bitcast[UInt32]()
+    # Every chunk of the row in flight at once (streamed once: kept out of
+    # L1). Indices past the row are clamped, not branched around, so the
+    # loads issue together; those chunks meet zero activations below.
+    var wv = Array[SIMD[DType.uint32, 4], chunks](fill=0)
+    comptime if staged:
+        var sm = stack_allocation[GEMV_WARPS * chunks * 128, UInt32, alignment=16, address_space=AddressSpace.SHARED]()
+        var mine = sm + (Int(warp_id()) * chunks * 32 + lane) * 4
+        comptime for i in range(chunks):
+            var c = min(lane + 32 * i, nch - 1)
+            async_copy[16](
+                (wrow + 4 * c).unsafe_address_space_cast[AddressSpace.GLOBAL](), mine + i * 128
+            )
+        async_copy_commit_group()
+        async_copy_wait_group(0)  # a lane reads back only what it copied itself
+        comptime for i in range(chunks):
+            wv[i] = (mine + i * 128).unsafe_load[width=4, alignment=16](0)
+    else:
+        comptime for i in range(chunks):
+            var c = min(lane + 32 * i, nch - 1)
+            wv[i] = load[width=4, read_only=True, eviction_policy=CacheEviction.NO_ALLOCATE, alignment=16](
+                wrow + 4 * c
+            )
+    var acc = SIMD[DType.float32, tokens](0)
+    comptime for t in range(tokens):
+        var xrow = x.unsafe_offset(t * k).unsafe_bitcast[UInt32]()
+        var s = SIMD[DType.float32, 2](0)
+        comptime for i in range(chunks):
+            var c = lane + 32 * i
+            var xv = xrow.unsafe_load[width=4, alignment=16](4 * min(c, nch - 1))
+            if c >= nch:
+                xv = SIMD[DType.uint32, 4](0)
+            comptime for j in range(4):
+                s = _bf16_pair_f32(wv[i][j]).fma(_bf16_pair_f32(xv[j]), s)
+        acc[t] = s[0] + s[1]
+    comptime for t in range(tokens):
+        comptime for m in range(5):
+            acc[t] += shuffle_xor(acc[t], UInt32(16 >> m))
+    if lane == 0:
+        var b = bias[unsafe_offset=row].cast[DType.float32]()
+        comptime for t in range(tokens):
+            y[unsafe_offset=t * n + row] = (acc[t] + b).cast[DType.bfloat16]()
+
+
+def _launch[
+    tokens: Int, staged: Bool
+](
+    ctx: DeviceContext,
+    y: Pointer[BFloat16, MutAnyOrigin],
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    n: Int,
+    k: Int,
+) raises:
+    var grid = (n + GEMV_WARPS - 1) // GEMV_WARPS
+    # instantiations by row length: gpt-oss's K are 2880 (12 chunks per lane) and 4096 (16)
+    if (k // 8 + 31) // 32 <= 12:
+        ctx.enqueue_function[gemv_kernel[tokens, 12, staged]](
+            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32
+        )
+    else:
+        ctx.enqueue_function[gemv_kernel[tokens, GEMV_MAX_CHUNKS, staged]](
+            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32
+        )
+
+
+@extensibility.register("gptoss_gemv")
+struct Gemv:
+    """y = x W^T + bias for a few tokens.
+
+    Boundary (contiguous, row-major, all bf16):
+      y     [T, N]   output
+      x     [T, K]   activations
+      w     [N, K]   weight (MAX Linear's layout)
+      bias  [N]
+    K % 8 == 0. GPU: T <= 2 and K <= 4096 (the caller dispatches larger
+    steps to a matmul); CPU: any T and K.
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString,
+        staged: Bool,
+    ](
+        y: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
+        x: InputTensor[dtype=DType.bfloat16, rank=2, ...],
+        w: InputTensor[dtype=DType.bfloat16, rank=2, ...],
+        bias: InputTensor[dtype=DType.bfloat16, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var tokens = x.dim_size[0]()
+        var k = x.dim_size[1]()
+        var n = w.dim_size[0]()
+        if w.dim_size[1]() != k or bias.dim_size[0]() != n or y.dim_size[0]() != tokens or y.dim_size[1]() != n:
+            raise Error("gptoss_gemv: shapes must be y [T, N], x [T, K], w [N, K], bias [N]")
+        if k % 8 != 0:
+            raise Error("gptoss_gemv: needs K % 8 == 0")
+        if tokens == 0 or n == 0:
+            return
+        var yp = y.unsafe_ptr()
+        var xp = x.unsafe_ptr()
+        var wp = w.unsafe_ptr()
+        var bp = bias.unsafe_ptr()
+
+        comptime if target == "gpu":
+            if tokens > GEMV_MAX_TOKENS or k > GEMV_MAX_CHUNKS * 256:
+                raise Error("gptoss_gemv GPU path: needs T <= 2 and K <= 4096")
+            if tokens == 1:
+                _launch[1, staged](ctx, yp, xp, wp, bp, n, k)
+            else:
+                _launch[2, staged](ctx, yp, xp, wp, bp, n, k)
+            return
+
+        def one_output[
+            width: Int, alignment: Int = 1
+        ](idx: Coord) {var yp, var xp, var wp, var bp, var n, var k}:
+            var tr = coord_to_index_list(idx)
+            var t = tr[0]
+            var r = tr[1]
+            var wrow = wp.unsafe_offset(r * k)
+            var xrow = xp.unsafe_offset(t * k)
+            var s: Float32 = 0
+            for c in range(k):
+                s += wrow[unsafe_offset=c].cast[DType.float32]() * xrow[unsafe_offset=c].cast[DType.float32]()
+            yp[unsafe_offset=t * n + r] = (s + bp[unsafe_offset=r].cast[DType.float32]()).cast[DType.bfloat16]()
+
+        elementwise[simd_width=1, target=target](one_output, Coord(tokens, n), ctx)
