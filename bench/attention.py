@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from moe import copy_bandwidth, open_gpu, rel_err, result_header
+    from moe import copy_bandwidth, finish, open_gpu, rel_err, result_header
 
     gpu = open_gpu(torch, "bench/attention.py")
     cases = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
@@ -292,11 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         emx = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "-"
         print(f"{r['case']:<27} {r['ours_us']:>8.1f} {mx:>8} {r['roofline_us']:>7.1f} {r['bw_frac'] or 0:>7.2f} "
               f"{r['ours_rel_err']:>9.1e} {emx:>8}")  # fmt: skip
-    print(f"wrote {path}")
-    if failures:
-        print("CORRECTNESS FAILURES: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+    return finish(path, failures)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe import copy_bandwidth, open_gpu, result_header  # noqa: E402  (bench/moe.py)
+from moe import copy_bandwidth, finish, open_gpu, result_header  # noqa: E402  (bench/moe.py)
 
 SHAPES = {"qkv": (2880, 5120), "o_proj": (4096, 2880), "router": (2880, 128)}  # K, N
 VARIANTS = ("staged", "regs", "max")
@@ -148,14 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
-    result = result_header("bench/gemv.py", argv, gpu, copy_tb_s) | {"rows": rows}
+    result = result_header("bench/gemv.py", argv, gpu, copy_tb_s) | {"rows": rows, "failures": failures}
     path = gpu.result_path(args.out, "gemv")
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
-    if failures:
-        print("CORRECTNESS FAILURES: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+    return finish(path, failures)
 
 
 if __name__ == "__main__":

@@ -283,6 +283,16 @@ class GpuRun:
         return out / f"{kind}_{gpu_tag(self.gpu_name)}_{self.today:%Y%m%d}.{ext}"
 
 
+def finish(path: Path, failures: list[str]) -> int:
+    """The end of every GPU benchmark here, once its JSON is written: where it went, and
+    status 1 with the correctness failures listed (they are in the JSON as well)."""
+    print(f"wrote {path}")
+    if failures:
+        print("CORRECTNESS FAILURES: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
 def result_header(script: str, argv: list[str] | None, gpu: GpuRun, copy_tb_s: float) -> dict:
     """The fields every result file here starts with."""
     cmd = f"python3 {script} " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -424,11 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     path = gpu.result_path(args.out, "moe_decode")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
-    print(f"wrote {path}")
-    if failures:
-        print("CORRECTNESS FAILURES: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+    return finish(path, failures)
 
 
 def print_table(result: dict) -> None:
