@@ -23,8 +23,8 @@ events around a chain of launches replayed as a CUDA graph (the gaps between
 dependent kernels included, as in a captured decode step; the `empty launch` row
 is that gap alone).
 
-Needs CuPy (with NVRTC) and a CUDA GPU. Prints a table and writes
-<out>/mem_probe_<gpu>_<yyyymmdd>.json.
+Needs CuPy (with NVRTC), torch (the copy bandwidth, as bench/moe.py measures it) and a CUDA
+GPU. Prints a table and writes <out>/mem_probe_<gpu>_<yyyymmdd>.json.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
+
+from gptoss_max.e2e import device_slug  # noqa: E402
 
 HIDDEN = INTER = 2880
 GATE_UP_BYTES = 2 * INTER * HIDDEN // 2  # one expert's gate_up blocks
@@ -181,21 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([s * stack + e * region for e in es])
         return cp.asarray(rows, dtype=cp.int64)
 
-    # copy bandwidth in the same run: 1 GiB device-to-device
-    a = cp.empty(1 << 30, dtype=cp.uint8)
-    b = cp.empty_like(a)
+    # the copy bandwidth in the same run, measured as every bench here measures it
+    import torch
+
+    copy_tb_s = copy_bandwidth(torch)
+    torch.cuda.empty_cache()
     ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    for _ in range(3):
-        b[:] = a
-    ts = []
-    for _ in range(10):
-        ev0.record()
-        b[:] = a
-        ev1.record()
-        ev1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(ev0, ev1) * 1e-3)
-    copy_tb_s = 2 * a.nbytes / statistics.median(ts) / 1e12
-    del a, b
 
     mods: dict = {}
 
@@ -273,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             add(label, region, us)
 
-    tag = "h100" if "H100" in name else "h200" if "H200" in name else name.lower().replace(" ", "_")
+    tag = device_slug(name)
     today = datetime.date.today()
     result = {
         "device": name,

@@ -191,10 +191,6 @@ def router_topk(logits: TensorValue, k: int) -> tuple[TensorValue, TensorValue]:
     return ids.tensor, weights.tensor
 
 
-GEMV_MAX_TOKENS = 2  # gemv.mojo: the GPU path's bound (the CPU path takes any T)
-GEMV_MAX_K = 4096
-
-
 def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = True) -> TensorValue:
     """`x [T, K] @ weight[N, K]^T + bias [N]`, all bf16 (gemv.mojo): a warp per output row for
     decode steps. The GPU path takes T <= 2 and K <= 4096 (a caller dispatches larger steps to
