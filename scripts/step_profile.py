@@ -78,6 +78,7 @@ CATEGORIES = (
     ("kv_cache", "writes into the paged KV cache"),
     ("matmul", "dense matmuls / GEMMs (qkv, o_proj, router, LM head)"),
     ("norm", "RMS norms"),
+    ("router_fused", "our fused residual add + post-attention norm + router logits"),
     ("rope", "rotary embedding"),
     ("router_topk", "router top-k / softmax / MoE indices"),
     ("sampling", "sampling and logits post-processing"),
@@ -88,7 +89,7 @@ CATEGORIES = (
 )
 PER_LAYER = {
     "moe_decode_gate_up", "moe_decode_down", "moe_prefill", "attention_ours", "attention_merge",
-    "attention_max", "kv_cache", "norm", "rope", "router_topk",
+    "attention_max", "kv_cache", "norm", "router_fused", "rope", "router_topk",
 }  # fmt: skip
 
 # Name rules for kernels outside our package (MAX's, std's, cuBLAS...), first match wins.
@@ -141,6 +142,8 @@ def categorize(name: str, kind: str = "kernel", block: tuple[int, ...] | None = 
             return "moe_prefill"
         if rest.startswith("router_topk"):
             return "router_topk"
+        if rest.startswith("router_decode"):
+            return "router_fused"
         if rest.startswith("attention"):
             # Split and merge names are cut to the same 30 characters; the merge kernel is the
             # one launched with one warp per block (attention_gpu.mojo).
@@ -530,6 +533,7 @@ def run(args: argparse.Namespace) -> int:
         "graph_kernels_visible": visible,
         "attention": settings.attention_impl(),
         "moe_path": os.environ.get("GPTOSS_MAX_MOE_PATH", "auto"),
+        "router": settings.router_impl(),
         "layers": n_layers,
         "step_assignment": method,
         "kernel_events": len(events),

@@ -19,14 +19,17 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "moe_gpu.gate_up_kernel[DType.bfloat16, 4, False]",
         "moe_gpu.down_one_token_kernel[DType.bfloat16]",
         "gemv.gemv_kernel[2, 16, True]",
+        "router_decode.router_decode_kernel[1, 12]",
         "attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, merge, tc4, tc8 = ptx.values()
+    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8 = ptx.values()
     assert ".entry" in gemv and "cp.async" in gemv and "shfl.sync.bfly" in gemv
+    # the fused router: its row's loads, one block reduction of the norm, an approximate rsqrt
+    assert ".entry" in router and "bar.sync" in router and "rsqrt.approx" in router
     for k in (gate_up1, gate_up, down1):
         assert ".target sm_90a" in k and ".entry" in k
         assert "mma.sync.aligned.m16n8k16" in k  # tensor cores

@@ -26,6 +26,12 @@ def test_stock_gpt_oss_pieces():
     )
     for name in ("graph_specs", "_load_state_dict", "_create_model_config", "execute"):
         assert callable(getattr(maxapi.GptOssModel, name))
+    # what arch/moe.py's FusedRouterBlock re-states of the block's forward
+    block_call = list(inspect.signature(maxapi.GptOssTransformerBlock.__call__).parameters)
+    assert block_call[:6] == ["self", "layer_idx", "xs", "signal_buffers", "kv_collections", "input_row_offsets"]
+    init = inspect.getsource(maxapi.GptOssTransformerBlock.__init__)
+    for attr in ("self_attn_shards", "input_layernorm_shards", "post_attention_layernorm_shards", "self.allreduce"):
+        assert attr in init
 
 
 def test_stacked_linear_pieces():

@@ -27,6 +27,7 @@ MERGE = "gptoss_kernels_attention_gpu_a6A6A_34cd"
         (ATTN, "kernel", (256, 1, 1), "attention_ours"),
         (MERGE, "kernel", (32, 1, 1), "attention_merge"),
         ("gptoss_kernels_router_topk_rou6A6A_56ef", "kernel", (128, 1, 1), "router_topk"),
+        ("gptoss_kernels_router_decode_6A6A_12ab", "kernel", (128, 1, 1), "router_fused"),
         ("gptoss_kernels_mxfp4_whatever", "kernel", None, "ours_other"),
         ("nn_mha_mha_sm90_flash_attention_ragged", "kernel", None, "attention_max"),
         ("kv_cache_store_ragged_kernel", "kernel", None, "kv_cache"),

@@ -25,6 +25,7 @@ from max.pipelines.architectures.gpt_oss.batch_processor import GptOssBatchProce
 from max.pipelines.architectures.gpt_oss.gpt_oss import GptOss as StockGptOss
 from max.pipelines.architectures.gpt_oss.layers import transformer_block as stock_block_module
 from max.pipelines.architectures.gpt_oss.layers.attention import GptOssAttention
+from max.pipelines.architectures.gpt_oss.layers.transformer_block import GptOssTransformerBlock
 from max.pipelines.architectures.gpt_oss.memory_planner import GptOssMemoryPlanner
 from max.pipelines.architectures.gpt_oss.model import GptOssInputs, GptOssModel
 from max.pipelines.architectures.gpt_oss.model_config import GptOssConfig
@@ -143,6 +144,7 @@ __all__ = [
     "Signals",
     "StackedLinear",
     "GptOssAttention",
+    "GptOssTransformerBlock",
     "GptOssBatchProcessor",
     "GptOssInputs",
     "model_abi_buffers",

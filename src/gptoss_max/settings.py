@@ -54,3 +54,16 @@ def moe_path() -> int:
     if value not in paths:
         raise ValueError(f"GPTOSS_MAX_MOE_PATH must be auto, decode or prefill, not {value!r}")
     return paths[value]
+
+
+def router_impl() -> str:
+    """`GPTOSS_MAX_ROUTER`: `auto` (= `fused`), `fused` or `max`; how a bf16 graph runs the head of
+    each MoE block (the residual add after attention, the post-attention RMS norm and the router's
+    logits). `fused`: our one-launch op (kernels/router_decode.mojo) for steps of at most
+    `ops.ROUTER_DECODE_MAX_TOKENS` tokens, MAX's add + rms_norm + Linear for larger ones, chosen in
+    the graph from the step's token count. `max`: MAX's ops for every step. Read in the process
+    that builds the graph; a float32 graph always uses MAX's."""
+    value = os.environ.get("GPTOSS_MAX_ROUTER", "auto")
+    if value not in ("auto", "fused", "max"):
+        raise ValueError(f"GPTOSS_MAX_ROUTER must be auto, fused or max, not {value!r}")
+    return "fused" if value == "auto" else value

@@ -1,4 +1,5 @@
-"""`GptOssForCausalLM` for MAX: the stock gpt_oss graph with our MoE, our YaRN and our sink attention."""
+"""`GptOssForCausalLM` for MAX: the stock gpt_oss graph with our MoE (and its fused router head), our YaRN
+and our sink attention."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gptoss_max import maxapi, memory, settings
 from gptoss_max.arch import cpu_shims
 from gptoss_max.arch.attention import use_sink_attention
 from gptoss_max.arch.exact_f32 import use_exact_f32_projections
-from gptoss_max.arch.moe import NativeMoE
+from gptoss_max.arch.moe import NativeMoE, use_fused_router
 from gptoss_max.arch.rope import use_gptoss_rope
 from gptoss_max.arch.weights import SyntheticWeights, adapt_state_dict
 from gptoss_max.config import ModelSpec
@@ -59,6 +60,7 @@ class NativeGptOss(maxapi.StockGptOss):
             )
             block.mlp = moe
             block.mlp_shards = [moe]
+            use_fused_router(block)
             use_gptoss_rope([block.self_attn, *block.self_attn_shards])
             impl = "ours" if cpu else settings.attention_impl()
             if impl != "max":

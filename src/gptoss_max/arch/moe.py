@@ -1,4 +1,6 @@
 """The gpt-oss MoE block: the router is MAX's Linear, its top-k + softmax and the experts our Mojo ops.
+In bf16 graphs, steps of a few tokens run the residual add, the post-attention norm and the router
+as one op of ours instead (`NativeMoE.after_attention`, `FusedRouterBlock`).
 
 Expert weights stay MXFP4-sized: (blocks, scales) uint8 pairs, repacked once at load into the
 op's tiled byte order (gptoss_max.mxfp4.tile_for_op), or bf16; never expanded to a BF16 copy of
@@ -10,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from max.dtype import DType
-from max.graph import DeviceRef, ShardingStrategy, TensorValue, Weight
+from max.graph import DeviceRef, ShardingStrategy, TensorType, TensorValue, Weight, ops
 from max.nn.layer import Module
 from max.nn.linear import Linear
 
-from gptoss_max import settings
+from gptoss_max import maxapi, settings
 from gptoss_max.kernels import ops as moe_ops
 
 
@@ -76,6 +78,43 @@ class NativeMoE(Module):
         ids, weights = moe_ops.router_topk(logits, self.top_k)  # [T, K] int32, f32 softmaxed
         return self.experts(x, ids, weights)  # [T, H]
 
+    def after_attention(
+        self, attn: TensorValue, residual: TensorValue, norm: Module
+    ) -> tuple[TensorValue, TensorValue]:
+        """`(h, mlp(norm(h)))` with `h = residual + attn`: the second half of a transformer block.
+
+        bf16 graphs with `GPTOSS_MAX_ROUTER` = fused (the default) take our one-launch op for the
+        add, the norm and the router's logits (`router_decode`) on steps of at most
+        `ROUTER_DECODE_MAX_TOKENS` tokens, chosen in the graph from the step's token count (the
+        same choice on a CPU, whose path has no bound, so CPU tests run both branches); MAX's
+        add + rms_norm + Linear otherwise. Both compute the same values (tests/test_router_decode_op.py)."""
+        if attn.dtype != DType.bfloat16 or settings.router_impl() != "fused":
+            h = residual + attn
+            return h, self(norm(h))
+        # Materialized here, outside both branches of ops.cond: a weight first used inside one
+        # branch is defined in that region and does not dominate its use in the other.
+        gamma = ops.cast(TensorValue(norm.weight), attn.dtype).to(attn.device)
+        weight, bias = TensorValue(self.router.weight), TensorValue(self.router.bias)
+
+        def fused() -> list[TensorValue]:
+            return list(moe_ops.router_decode(attn, residual, gamma, norm.eps, weight, bias))
+
+        def unfused() -> list[TensorValue]:
+            h = residual + attn
+            xn = norm(h)
+            return [h, xn, self.router(xn)]
+
+        tokens = ops.reshape(ops.shape_to_tensor([attn.shape[0]]), [])
+        bound = ops.constant(moe_ops.ROUTER_DECODE_MAX_TOKENS, tokens.dtype, device=tokens.device)
+        out_types = [
+            TensorType(attn.dtype, attn.shape, attn.device),
+            TensorType(attn.dtype, attn.shape, attn.device),
+            TensorType(attn.dtype, [attn.shape[0], weight.shape[0]], attn.device),
+        ]
+        h, xn, logits = ops.cond(ops.greater_equal(bound, tokens), out_types, fused, unfused)
+        ids, weights = moe_ops.router_topk(logits, self.top_k)
+        return h, self.experts(xn, ids, weights)
+
     # MAX's transformer block shards every mlp; one device is all we support so far.
     @property
     def sharding_strategy(self) -> ShardingStrategy | None:
@@ -91,3 +130,22 @@ class NativeMoE(Module):
 
     def shard(self, devices: Iterable[DeviceRef]) -> list[NativeMoE]:
         return [self for _ in devices]
+
+
+class FusedRouterBlock(maxapi.GptOssTransformerBlock):
+    """MAX's gpt-oss transformer block whose second half is `NativeMoE.after_attention` on one
+    device (the same add, norm, MoE and add as MAX's `__call__`, with the head fusable)."""
+
+    def __call__(self, layer_idx, xs, signal_buffers, kv_collections, input_row_offsets, **kwargs):  # type: ignore[override]
+        if len(xs) != 1 or not isinstance(self.mlp, NativeMoE):
+            return super().__call__(layer_idx, xs, signal_buffers, kv_collections, input_row_offsets, **kwargs)
+        (x,) = xs
+        norm_x = self.input_layernorm_shards[0](x)
+        attn = self.self_attn_shards[0](norm_x, kv_collections[0], input_row_offsets=input_row_offsets[0], **kwargs)
+        (attn,) = self.allreduce([attn], signal_buffers)
+        h, mlp_out = self.mlp.after_attention(attn, x, self.post_attention_layernorm_shards[0])
+        return [h + mlp_out]
+
+
+def use_fused_router(block: maxapi.GptOssTransformerBlock) -> None:
+    block.__class__ = FusedRouterBlock

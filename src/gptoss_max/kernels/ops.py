@@ -191,6 +191,54 @@ def router_topk(logits: TensorValue, k: int) -> tuple[TensorValue, TensorValue]:
     return ids.tensor, weights.tensor
 
 
+ROUTER_DECODE_MAX_TOKENS = 4  # router_decode.mojo's GPU bound (RD_MAX_TOKENS)
+
+
+def router_decode(
+    attn: TensorValue,
+    residual: TensorValue,
+    gamma: TensorValue,
+    eps: float,
+    weight: TensorValue,
+    bias: TensorValue,
+) -> tuple[TensorValue, TensorValue, TensorValue]:
+    """The head of a decode step's MoE block in one op (router_decode.mojo), all bf16:
+    `h = residual + attn`, `xn = rms_norm(h, gamma, eps)` (f32 inside, the weight applied before
+    the cast) and `logits = xn @ weight^T + bias`. Returns (h, xn, logits). The GPU path takes
+    T <= ROUTER_DECODE_MAX_TOKENS and H <= 4096 (a caller dispatches larger steps to the
+    unfused ops); the CPU path any T."""
+    for name, v, rank in (
+        ("attn", attn, 2), ("residual", residual, 2), ("gamma", gamma, 1), ("weight", weight, 2), ("bias", bias, 1),
+    ):  # fmt: skip
+        if v.dtype != DType.bfloat16 or v.rank != rank:
+            raise TypeError(f"{name} must be a rank-{rank} bfloat16 tensor, got {v.dtype} rank {v.rank}")
+    hidden = attn.shape[1]
+    _check_dim("residual tokens", residual.shape[0], attn.shape[0])
+    _check_dim("residual H", residual.shape[1], hidden)
+    _check_dim("gamma H", gamma.shape[0], hidden)
+    _check_dim("weight H", weight.shape[1], hidden)
+    _check_dim("bias E", bias.shape[0], weight.shape[0])
+    if isinstance(hidden, StaticDim) and int(hidden) % 8:
+        raise ValueError(f"router_decode needs H % 8 == 0, got H={int(hidden)}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    _load_kernels()
+    tokens = attn.shape[0]
+    dev = attn.device
+    h, xn, logits = ops.custom(
+        "gptoss_router_decode",
+        dev,
+        [attn, residual, gamma, weight, bias],
+        [
+            TensorType(DType.bfloat16, [tokens, hidden], dev),
+            TensorType(DType.bfloat16, [tokens, hidden], dev),
+            TensorType(DType.bfloat16, [tokens, weight.shape[0]], dev),
+        ],
+        parameters={"eps": float(eps)},
+    )
+    return h.tensor, xn.tensor, logits.tensor
+
+
 def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = True) -> TensorValue:
     """`x [T, K] @ weight[N, K]^T + bias [N]`, all bf16 (gemv.mojo): a warp per output row for
     decode steps. The GPU path takes T <= 2 and K <= 4096 (a caller dispatches larger steps to

@@ -1,0 +1,278 @@
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from layout import coord_to_index_list
+from max.algorithm import elementwise
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, lane_id, thread_idx, warp_id
+from max.gpu.host import DeviceContext
+from max.gpu.memory import AddressSpace, load
+from max.gpu.primitives.warp import shuffle_xor
+from std.collections import Array
+from std.math import rsqrt
+from std.memory import bitcast, stack_allocation
+from std.utils.coord import Coord
+from std.utils.static_tuple import StaticTuple
+
+# The head of a decode step's MoE block in one launch: the residual add after
+# attention, the post-attention RMS norm and the router's logits,
+#   h      = bf16(residual + attn)               (the new residual stream)
+#   xn     = bf16(h * rsqrt(mean(h^2) + eps) * gamma)   (f32 inside, MAX's
+#            rms_norm with multiply_before_cast, HF's GptOssRMSNorm)
+#   logits = bf16(xn W^T + b)                    (MAX's bf16 Linear)
+# Why: a 120b batch-1 step runs these as MAX's fused-residual norm (~2.9 us)
+# then its split-K GEMV (~2.8 us), two launches each bound by latency, not
+# bytes (the router weight is 0.74 MB). Here the router rows' loads are issued
+# first and the norm is computed while they are in flight.
+#
+# GPU: a block of RD_WARPS warps, a warp per router row (expert). Every block
+# computes the norm of the step's (<= RD_MAX_TOKENS) tokens itself into shared
+# memory (a few KB read from L2) and writes its own slice of h and xn. CPU: a
+# task per token, the same arithmetic.
+
+comptime RD_WARPS = 4
+comptime RD_MAX_TOKENS = 4
+comptime RD_MAX_CHUNKS = 16  # 16-byte chunks per lane: hidden <= 16 * 32 * 8 = 4096
+
+
+@always_inline
+def _bf16_pair_f32(w: UInt32) -> SIMD[DType.float32, 2]:
+    """The two bf16 of a word (low half first) as f32: exact, two integer ops."""
+    return SIMD[DType.float32, 2](bitcast[DType.float32, 1](w << 16), bitcast[DType.float32, 1](w & 0xFFFF0000))
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(RD_WARPS * 32)))
+def router_decode_kernel[
+    tokens: Int, chunks: Int
+](
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    xn_out: Pointer[BFloat16, MutAnyOrigin],
+    logits: Pointer[BFloat16, MutAnyOrigin],
+    attn: Pointer[BFloat16, ImmutAnyOrigin],
+    residual: Pointer[BFloat16, ImmutAnyOrigin],
+    gamma: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    n_: Int64,
+    k_: Int64,
+    eps: Float32,
+):
+    """tokens: the step's token count (1..RD_MAX_TOKENS); chunks: 16-byte
+    chunks per lane, ceil(K / 256). Grid: ceil(N / RD_WARPS) blocks."""
+    var n = Int(n_)
+    var k = Int(k_)
+    var lane = Int(lane_id())
+    var warp = Int(warp_id())
+    var tid = Int(thread_idx.x)
+    var row = Int(block_idx.x) * RD_WARPS + warp
+    var nch = k // 8  # 16-byte chunks of a row
+
+    # 1. This warp's router row, every chunk in flight before the norm starts.
+    # A warp past the last row reads row n - 1 and stores nothing; indices
+    # past the row are clamped so the loads issue together (they meet zero
+    # activations below).
+    var wrow = w.unsafe_offset(min(row, n - 1) * k).unsafe_bitcast[UInt32]()
+    var wv = Array[SIMD[DType.uint32, 4], chunks](fill=0)
+    comptime for i in range(chunks):
+        wv[i] = load[width=4, read_only=True, alignment=16](wrow + 4 * min(lane + 32 * i, nch - 1))
+
+    # 2. h = bf16(attn + residual) and its sum of squares, token by token; h
+    # goes to shared memory, then is replaced there by xn.
+    comptime STRIDE = chunks * 256  # bf16 per token row in shared memory
+    var xs = stack_allocation[tokens * STRIDE, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
+    var red = stack_allocation[tokens * RD_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    var ss = SIMD[DType.float32, tokens](0)
+    comptime for t in range(tokens):
+        for v in range(tid, nch, RD_WARPS * 32):
+            var av = attn.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
+            var rv = residual.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
+            var hv = (av.cast[DType.float32]() + rv.cast[DType.float32]()).cast[DType.bfloat16]()
+            var hf = hv.cast[DType.float32]()
+            ss[t] += (hf * hf).reduce_add()
+            xs.unsafe_offset(t * STRIDE + 8 * v).unsafe_store[alignment=16](hv)
+    comptime for t in range(tokens):
+        comptime for m in range(5):
+            ss[t] += shuffle_xor(ss[t], UInt32(16 >> m))
+        if lane == 0:
+            red[unsafe_offset=t * RD_WARPS + warp] = ss[t]
+    barrier()
+    var inv = SIMD[DType.float32, tokens](0)
+    comptime for t in range(tokens):
+        var total = Float32(0)
+        comptime for ww in range(RD_WARPS):
+            total += red[unsafe_offset=t * RD_WARPS + ww]
+        inv[t] = rsqrt(total / Float32(k) + eps)
+
+    # 3. xn in place (each thread rewrites the chunks it wrote), and this
+    # block's slice of h and xn to global memory.
+    var blocks = (n + RD_WARPS - 1) // RD_WARPS
+    var per_block = (nch + blocks - 1) // blocks
+    var lo = Int(block_idx.x) * per_block
+    var hi = min(lo + per_block, nch)
+    comptime for t in range(tokens):
+        for v in range(tid, nch, RD_WARPS * 32):
+            var p = xs.unsafe_offset(t * STRIDE + 8 * v)
+            var hv = p.unsafe_load[width=8, alignment=16]()
+            var g = gamma.unsafe_offset(8 * v).unsafe_load[width=8, alignment=16]().cast[DType.float32]()
+            var xv = (hv.cast[DType.float32]() * inv[t] * g).cast[DType.bfloat16]()
+            p.unsafe_store[alignment=16](xv)
+            if v >= lo and v < hi:
+                h_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](hv)
+                xn_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](xv)
+    barrier()
+
+    # 4. The warp's logits: the f32 dot of its row with each token's xn, then
+    # bias, rounded to bf16 as MAX's Linear returns them.
+    var acc = SIMD[DType.float32, tokens](0)
+    comptime for t in range(tokens):
+        var xrow = xs.unsafe_offset(t * STRIDE).unsafe_bitcast[UInt32]()
+        var s = SIMD[DType.float32, 2](0)
+        comptime for i in range(chunks):
+            var c = lane + 32 * i
+            var xv = xrow.unsafe_load[width=4, alignment=16](4 * min(c, nch - 1))
+            if c >= nch:
+                xv = SIMD[DType.uint32, 4](0)
+            comptime for j in range(4):
+                s = _bf16_pair_f32(wv[i][j]).fma(_bf16_pair_f32(xv[j]), s)
+        acc[t] = s[0] + s[1]
+    comptime for t in range(tokens):
+        comptime for m in range(5):
+            acc[t] += shuffle_xor(acc[t], UInt32(16 >> m))
+    if lane == 0 and row < n:
+        var b = bias[unsafe_offset=row].cast[DType.float32]()
+        comptime for t in range(tokens):
+            logits[unsafe_offset=t * n + row] = (acc[t] + b).cast[DType.bfloat16]()
+
+
+def _launch[
+    tokens: Int
+](
+    ctx: DeviceContext,
+    h: Pointer[BFloat16, MutAnyOrigin],
+    xn: Pointer[BFloat16, MutAnyOrigin],
+    lg: Pointer[BFloat16, MutAnyOrigin],
+    a: Pointer[BFloat16, ImmutAnyOrigin],
+    r: Pointer[BFloat16, ImmutAnyOrigin],
+    g: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    b: Pointer[BFloat16, ImmutAnyOrigin],
+    n: Int,
+    k: Int,
+    eps: Float32,
+) raises:
+    var grid = (n + RD_WARPS - 1) // RD_WARPS
+    # gpt-oss's hidden is 2880: 12 chunks per lane
+    if (k // 8 + 31) // 32 <= 12:
+        ctx.enqueue_function[router_decode_kernel[tokens, 12]](
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=RD_WARPS * 32
+        )
+    else:
+        ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS]](
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=RD_WARPS * 32
+        )
+
+
+@extensibility.register("gptoss_router_decode")
+struct RouterDecode:
+    """Residual add + RMS norm + router logits of a decode step.
+
+    Boundary (contiguous, row-major, all bf16):
+      h        [T, H]  out: residual + attn
+      xn       [T, H]  out: rms_norm(h) * gamma
+      logits   [T, E]  out: xn W^T + bias
+      attn     [T, H]  the attention block's output (after o_proj)
+      residual [T, H]  the residual stream before it
+      gamma    [H]     the post-attention norm's weight
+      w        [E, H]  the router weight (MAX Linear's layout)
+      bias     [E]
+    eps: the norm's epsilon (op parameter). H % 8 == 0. GPU: T <= 4 and
+    H <= 4096 (the caller dispatches larger steps to the unfused ops); CPU:
+    any T and H.
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString,
+        eps: Float32,
+    ](
+        h: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
+        xn: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
+        logits: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
+        attn: InputTensor[dtype=DType.bfloat16, rank=2, ...],
+        residual: InputTensor[dtype=DType.bfloat16, rank=2, ...],
+        gamma: InputTensor[dtype=DType.bfloat16, rank=1, ...],
+        w: InputTensor[dtype=DType.bfloat16, rank=2, ...],
+        bias: InputTensor[dtype=DType.bfloat16, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var tokens = attn.dim_size[0]()
+        var k = attn.dim_size[1]()
+        var n = w.dim_size[0]()
+        if (
+            residual.dim_size[0]() != tokens
+            or residual.dim_size[1]() != k
+            or gamma.dim_size[0]() != k
+            or w.dim_size[1]() != k
+            or bias.dim_size[0]() != n
+            or h.dim_size[0]() != tokens
+            or h.dim_size[1]() != k
+            or xn.dim_size[0]() != tokens
+            or xn.dim_size[1]() != k
+            or logits.dim_size[0]() != tokens
+            or logits.dim_size[1]() != n
+        ):
+            raise Error(
+                "gptoss_router_decode: shapes must be attn, residual, h, xn [T, H], gamma [H], w [E, H], bias [E],"
+                " logits [T, E]"
+            )
+        if k % 8 != 0:
+            raise Error("gptoss_router_decode: needs H % 8 == 0")
+        if tokens == 0 or n == 0:
+            return
+        var hp = h.unsafe_ptr()
+        var xp = xn.unsafe_ptr()
+        var lp = logits.unsafe_ptr()
+        var ap = attn.unsafe_ptr()
+        var rp = residual.unsafe_ptr()
+        var gp = gamma.unsafe_ptr()
+        var wp = w.unsafe_ptr()
+        var bp = bias.unsafe_ptr()
+
+        comptime if target == "gpu":
+            if tokens > RD_MAX_TOKENS or k > RD_MAX_CHUNKS * 256:
+                raise Error("gptoss_router_decode GPU path: needs T <= 4 and H <= 4096")
+            if tokens == 1:
+                _launch[1](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
+            elif tokens == 2:
+                _launch[2](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
+            elif tokens == 3:
+                _launch[3](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
+            else:
+                _launch[4](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
+            return
+
+        def one_token[
+            width: Int, alignment: Int = 1
+        ](idx: Coord) {var hp, var xp, var lp, var ap, var rp, var gp, var wp, var bp, var n, var k}:
+            var t = coord_to_index_list(idx)[0]
+            var ss: Float32 = 0
+            for c in range(k):
+                var hv = (
+                    ap[unsafe_offset=t * k + c].cast[DType.float32]() + rp[unsafe_offset=t * k + c].cast[DType.float32]()
+                ).cast[DType.bfloat16]()
+                hp[unsafe_offset=t * k + c] = hv
+                var hf = hv.cast[DType.float32]()
+                ss += hf * hf
+            var inv = rsqrt(ss / Float32(k) + eps)
+            for c in range(k):
+                var hf = hp[unsafe_offset=t * k + c].cast[DType.float32]()
+                xp[unsafe_offset=t * k + c] = (hf * inv * gp[unsafe_offset=c].cast[DType.float32]()).cast[
+                    DType.bfloat16
+                ]()
+            for e in range(n):
+                var s: Float32 = 0
+                for c in range(k):
+                    s += wp[unsafe_offset=e * k + c].cast[DType.float32]() * xp[unsafe_offset=t * k + c].cast[
+                        DType.float32
+                    ]()
+                lp[unsafe_offset=t * n + e] = (s + bp[unsafe_offset=e].cast[DType.float32]()).cast[DType.bfloat16]()
+
+        elementwise[simd_width=1, target=target](one_token, Coord(tokens), ctx)

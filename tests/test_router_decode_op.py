@@ -1,0 +1,104 @@
+"""The fused decode router op (kernels/router_decode.mojo: residual add + RMS norm + router
+logits) against a float64 NumPy reference of the same bf16 inputs, with bf16 rounding where
+HF's gpt-oss rounds (the residual sum, the norm's output, the router's logits). On the CPU, and
+on a GPU where one is present, within its T <= 4 bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gptoss_max.kernels import reference
+
+EPS = 1e-5
+
+
+def _devices() -> list[str]:
+    from max.driver import accelerator_count
+
+    return ["cpu", "gpu"] if accelerator_count() > 0 else ["cpu"]
+
+
+@pytest.fixture(scope="module", params=_devices())
+def router_model(request):
+    from max.driver import CPU, Accelerator
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType
+    from max.graph import ops as gops
+
+    from gptoss_max.kernels import ops
+
+    device = Accelerator() if request.param == "gpu" else CPU()
+    ref = DeviceRef.from_device(device)
+
+    def forward(a, r, g, w, b):
+        args = [gops.cast(v, DType.bfloat16) for v in (a, r, g, w, b)]
+        h, xn, logits = ops.router_decode(args[0], args[1], args[2], EPS, args[3], args[4])
+        return [gops.cast(v, DType.float32) for v in (h, xn, logits)]
+
+    dims = (["T", "H"], ["T", "H"], ["H"], ["E", "H"], ["E"])
+    types = [TensorType(DType.float32, d, ref) for d in dims]
+    graph = Graph(f"router_decode_{request.param}", forward=forward, input_types=types)
+    return request.param, device, InferenceSession(devices=[device]).load(graph)
+
+
+def reference_router(a, r, g, w, b, eps=EPS):
+    """float64 with HF's bf16 rounding points; inputs already bf16 values."""
+    h = reference.round_to_bf16((a + r).astype(np.float32)).astype(np.float64)
+    inv = 1.0 / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps)
+    xn = reference.round_to_bf16((h * inv * g).astype(np.float32)).astype(np.float64)
+    return h, xn, xn @ w.T + b
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, hidden",
+    [(1, 128, 2880), (2, 32, 2880), (3, 9, 64), (4, 128, 4096), (1, 5, 8), (6, 16, 256)],
+    ids=lambda v: str(v),
+)
+def test_router_decode_matches_float64(router_model, tokens, experts, hidden) -> None:
+    from max.driver import CPU, Buffer
+
+    kind, device, model = router_model
+    if kind == "gpu" and tokens > 4:
+        pytest.skip("the GPU path takes T <= 4 by design; the model dispatches larger steps")
+    rng = np.random.default_rng(tokens * 7919 + experts * 31 + hidden)
+    a = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    r = (3 * rng.standard_normal((tokens, hidden))).astype(np.float32)
+    g = rng.uniform(0.5, 2.0, hidden).astype(np.float32)
+    w = (rng.standard_normal((experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    b = rng.standard_normal(experts).astype(np.float32)
+    inputs = [reference.round_to_bf16(v) for v in (a, r, g, w, b)]
+    want_h, want_xn, want_logits = reference_router(*(v.astype(np.float64) for v in inputs))
+    outputs = model.execute(*[Buffer.from_numpy(v).to(device) for v in inputs])
+    got_h, got_xn, got_logits = (y.to(CPU()).to_numpy() for y in outputs)
+    for got in (got_h, got_xn, got_logits):
+        assert np.all(np.isfinite(got))
+    # the residual sum of two bf16 is exact in f32, then rounded once: bit for bit
+    np.testing.assert_array_equal(got_h, want_h)
+    # the norm: f32 against float64 before one bf16 rounding, so at most one bf16 step apart
+    np.testing.assert_allclose(got_xn, want_xn, rtol=2**-7, atol=0)
+    assert np.mean(got_xn == want_xn) > 0.98
+    # logits: an f32 sum, rounded to bf16 (relative 2^-9)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=2**-7, atol=2**-7 * np.abs(want_logits).max())
+
+
+def test_router_decode_refuses_wrong_dtype_and_odd_hidden() -> None:
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from gptoss_max.kernels import ops
+
+    cpu = DeviceRef.CPU()
+
+    def build(dtype, hidden, eps=EPS):
+        dims = ([1, hidden], [1, hidden], [hidden], [4, hidden], [4])
+        types = [TensorType(dtype, d, cpu) for d in dims]
+        Graph("router_bad", forward=lambda a, r, g, w, b: ops.router_decode(a, r, g, eps, w, b)[2], input_types=types)
+
+    with pytest.raises(TypeError, match="bfloat16"):
+        build(DType.float32, 8)
+    with pytest.raises(ValueError, match="H % 8"):
+        build(DType.bfloat16, 12)
+    with pytest.raises(ValueError, match="eps"):
+        build(DType.bfloat16, 8, eps=0.0)
