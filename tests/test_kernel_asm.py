@@ -19,7 +19,7 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "moe_gpu.gate_up_kernel[DType.bfloat16, 4, False]",
         "moe_gpu.down_one_token_kernel[DType.bfloat16]",
         "gemv.gemv_kernel[2, 16, True]",
-        "router_decode.router_decode_kernel[1, 12]",
+        "router_decode.router_decode_kernel[3, 12]",
         "attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",

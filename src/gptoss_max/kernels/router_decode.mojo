@@ -79,7 +79,7 @@ def router_decode_kernel[
     comptime STRIDE = chunks * 256  # bf16 per token row in shared memory
     var xs = stack_allocation[tokens * STRIDE, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
     var red = stack_allocation[tokens * RD_WARPS, Float32, address_space=AddressSpace.SHARED]()
-    var ss = SIMD[DType.float32, tokens](0)
+    var ss = Array[Float32, tokens](fill=0)  # an Array: SIMD widths must be powers of two
     comptime for t in range(tokens):
         for v in range(tid, nch, RD_WARPS * 32):
             var av = attn.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
@@ -94,7 +94,7 @@ def router_decode_kernel[
         if lane == 0:
             red[unsafe_offset=t * RD_WARPS + warp] = ss[t]
     barrier()
-    var inv = SIMD[DType.float32, tokens](0)
+    var inv = Array[Float32, tokens](fill=0)
     comptime for t in range(tokens):
         var total = Float32(0)
         comptime for ww in range(RD_WARPS):
@@ -121,7 +121,7 @@ def router_decode_kernel[
 
     # 4. The warp's logits: the f32 dot of its row with each token's xn, then
     # bias, rounded to bf16 as MAX's Linear returns them.
-    var acc = SIMD[DType.float32, tokens](0)
+    var acc = Array[Float32, tokens](fill=0)
     comptime for t in range(tokens):
         var xrow = xs.unsafe_offset(t * STRIDE).unsafe_bitcast[UInt32]()
         var s = SIMD[DType.float32, 2](0)
