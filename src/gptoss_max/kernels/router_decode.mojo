@@ -25,8 +25,10 @@ from std.utils.static_tuple import StaticTuple
 #
 # GPU: a block of RD_WARPS warps, a warp per router row (expert). Every block
 # computes the norm of the step's (<= RD_MAX_TOKENS) tokens itself into shared
-# memory (a few KB read from L2) and writes its own slice of h and xn. CPU: a
-# task per token, the same arithmetic.
+# memory (a few KB read from L2) and writes its own slice of h and xn. All of
+# a thread's loads (its router row's chunks, its attn / residual / gamma
+# vectors) are issued before any of them is used: one memory round trip, then
+# two block barriers. CPU: a task per token, the same arithmetic.
 
 comptime RD_WARPS = 4
 comptime RD_MAX_TOKENS = 4
@@ -74,20 +76,33 @@ def router_decode_kernel[
     comptime for i in range(chunks):
         wv[i] = load[width=4, read_only=True, alignment=16](wrow + 4 * min(lane + 32 * i, nch - 1))
 
-    # 2. h = bf16(attn + residual) and its sum of squares, token by token; h
-    # goes to shared memory, then is replaced there by xn.
-    comptime STRIDE = chunks * 256  # bf16 per token row in shared memory
-    var xs = stack_allocation[tokens * STRIDE, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
+    # 2. This thread's vectors of attn, residual and gamma, also all in flight
+    # at once (vector v = tid + 128 j of each token row; indices past the row
+    # are clamped and their values left out of every sum and store).
+    comptime VPT = (chunks + RD_WARPS - 1) // RD_WARPS  # 16-byte vectors per thread and token
+    comptime THREADS = RD_WARPS * 32
+    var gv = Array[SIMD[DType.bfloat16, 8], VPT](fill=0)
+    var hv = Array[SIMD[DType.bfloat16, 8], tokens * VPT](fill=0)  # attn, then h
+    var rv = Array[SIMD[DType.bfloat16, 8], tokens * VPT](fill=0)
+    comptime for j in range(VPT):
+        var v = min(tid + THREADS * j, nch - 1)
+        gv[j] = gamma.unsafe_offset(8 * v).unsafe_load[width=8, alignment=16]()
+        comptime for t in range(tokens):
+            hv[t * VPT + j] = attn.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
+            rv[t * VPT + j] = residual.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
+
+    # 3. h = bf16(attn + residual), each token's sum of squares over the block.
     var red = stack_allocation[tokens * RD_WARPS, Float32, address_space=AddressSpace.SHARED]()
     var ss = Array[Float32, tokens](fill=0)  # an Array: SIMD widths must be powers of two
     comptime for t in range(tokens):
-        for v in range(tid, nch, RD_WARPS * 32):
-            var av = attn.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
-            var rv = residual.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
-            var hv = (av.cast[DType.float32]() + rv.cast[DType.float32]()).cast[DType.bfloat16]()
-            var hf = hv.cast[DType.float32]()
-            ss[t] += (hf * hf).reduce_add()
-            xs.unsafe_offset(t * STRIDE + 8 * v).unsafe_store[alignment=16](hv)
+        comptime for j in range(VPT):
+            var h = (hv[t * VPT + j].cast[DType.float32]() + rv[t * VPT + j].cast[DType.float32]()).cast[
+                DType.bfloat16
+            ]()
+            hv[t * VPT + j] = h
+            if tid + THREADS * j < nch:
+                var hf = h.cast[DType.float32]()
+                ss[t] += (hf * hf).reduce_add()
     comptime for t in range(tokens):
         comptime for m in range(5):
             ss[t] += shuffle_xor(ss[t], UInt32(16 >> m))
@@ -101,25 +116,27 @@ def router_decode_kernel[
             total += red[unsafe_offset=t * RD_WARPS + ww]
         inv[t] = rsqrt(total / Float32(k) + eps)
 
-    # 3. xn in place (each thread rewrites the chunks it wrote), and this
-    # block's slice of h and xn to global memory.
+    # 4. xn to shared memory for every warp's dot, and this block's slice of
+    # h and xn to global memory.
+    comptime STRIDE = chunks * 256  # bf16 per token row in shared memory
+    var xs = stack_allocation[tokens * STRIDE, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
     var blocks = (n + RD_WARPS - 1) // RD_WARPS
     var per_block = (nch + blocks - 1) // blocks
     var lo = Int(block_idx.x) * per_block
     var hi = min(lo + per_block, nch)
     comptime for t in range(tokens):
-        for v in range(tid, nch, RD_WARPS * 32):
-            var p = xs.unsafe_offset(t * STRIDE + 8 * v)
-            var hv = p.unsafe_load[width=8, alignment=16]()
-            var g = gamma.unsafe_offset(8 * v).unsafe_load[width=8, alignment=16]().cast[DType.float32]()
-            var xv = (hv.cast[DType.float32]() * inv[t] * g).cast[DType.bfloat16]()
-            p.unsafe_store[alignment=16](xv)
-            if v >= lo and v < hi:
-                h_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](hv)
-                xn_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](xv)
+        comptime for j in range(VPT):
+            var v = tid + THREADS * j
+            if v < nch:
+                var h = hv[t * VPT + j]
+                var xv = (h.cast[DType.float32]() * inv[t] * gv[j].cast[DType.float32]()).cast[DType.bfloat16]()
+                xs.unsafe_offset(t * STRIDE + 8 * v).unsafe_store[alignment=16](xv)
+                if v >= lo and v < hi:
+                    h_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](h)
+                    xn_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](xv)
     barrier()
 
-    # 4. The warp's logits: the f32 dot of its row with each token's xn, then
+    # 5. The warp's logits: the f32 dot of its row with each token's xn, then
     # bias, rounded to bf16 as MAX's Linear returns them.
     var acc = Array[Float32, tokens](fill=0)
     comptime for t in range(tokens):
