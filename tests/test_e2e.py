@@ -80,11 +80,13 @@ def test_bench_smoke_on_cpu(tmp_path):
     cmd = [sys.executable, "-m", "gptoss_max.cli", "bench", "--model", "synthetic:tiny", "--device", "cpu",
            "--batch", "1", "2", "--prompt-len", "40", "--output-len", "6", "--max-length", "1024", "--stock", "off",
            "--out", str(tmp_path), "--keep-logs"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=dict(os.environ))
+    env = dict(os.environ, GPTOSS_MAX_ROUTER="fused")  # a run-changing setting: the command records it
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     path = tmp_path / f"e2e_cpu_{datetime.date.today():%Y%m%d}.json"
     result = json.loads(path.read_text())
     assert result["device"] == "cpu" and "bench --model synthetic:tiny" in result["command"]
+    assert result["command"].startswith("GPTOSS_MAX_ROUTER=fused ")
     rows = result["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:

@@ -610,6 +610,15 @@ def merge_only(args: argparse.Namespace) -> int:
     return 0
 
 
+# Environment settings that change what the model runs (settings.py); data paths and keys are not.
+_RUN_SETTINGS = ("GPTOSS_MAX_ATTENTION", "GPTOSS_MAX_MOE_PATH", "GPTOSS_MAX_ROUTER")
+
+
+def _setting_env() -> list[str]:
+    """`NAME=value` for each run-changing setting this process has, as the command's prefix."""
+    return [f"{k}={os.environ[k]}" for k in _RUN_SETTINGS if os.environ.get(k)]
+
+
 def run(args: argparse.Namespace) -> int:
     from gptoss_max.engine import uses_gpu
 
@@ -638,10 +647,11 @@ def run(args: argparse.Namespace) -> int:
         left = max(1.0, args.deadline - (time.perf_counter() - t_start) - 15)
         return left if timeout is None else min(timeout, left)
 
+    argv = ["gptoss-max", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else sys.argv
     result: dict[str, Any] = {
         "device": name or "cpu",
         "date": date.isoformat(),
-        "command": shlex.join(["gptoss-max", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else sys.argv),
+        "command": shlex.join([*_setting_env(), *argv]),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "rows": [],

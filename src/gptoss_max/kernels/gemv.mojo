@@ -14,8 +14,9 @@ from std.utils.static_tuple import StaticTuple
 # A dense bf16 GEMV for decode steps of one or two tokens: y = x W^T + b
 # (W [N, K] row-major, as MAX's Linear stores it). Why: in a 120b batch-1
 # step MAX runs qkv and o_proj with its split-K GEMV at ~2.4 TB/s, while its
-# own LM-head GEMV reaches the copy bandwidth (bench/NOTES.md). Not yet wired
-# into the model nor timed on a GPU.
+# own LM-head GEMV reaches the copy bandwidth (bench/NOTES.md). Not used by the
+# model: on an H100 it was slower than MAX's GEMV at qkv's shape (17.8 vs 16.6
+# us per projection in bench/gemv.py, 2026-11-22).
 #
 # GPU: a warp per output row; lane l reads the row's 16-byte chunks l, l + 32,
 # ... (up to GEMV_MAX_CHUNKS per lane, so a row of K <= 4,096 bf16), then

@@ -243,7 +243,8 @@ def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = 
     """`x [T, K] @ weight[N, K]^T + bias [N]`, all bf16 (gemv.mojo): a warp per output row for
     decode steps. The GPU path takes T <= 2 and K <= 4096 (a caller dispatches larger steps to
     a matmul); the CPU path any T. `staged`: the GPU path stages each row in shared memory by
-    cp.async (else registers). Not yet used by the model: bench/gemv.py times it first."""
+    cp.async (else registers). Not used by the model: slower than MAX's at qkv's shape
+    (bench/NOTES.md)."""
     for name, v, rank in (("x", x, 2), ("weight", weight, 2), ("bias", bias, 1)):
         if v.dtype != DType.bfloat16 or v.rank != rank:
             raise TypeError(f"{name} must be a rank-{rank} bfloat16 tensor, got {v.dtype} rank {v.rank}")
