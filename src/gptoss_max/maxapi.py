@@ -94,7 +94,6 @@ def plan_with_free_memory(pipeline_config: Any, arch: Any, free_memory: int, tot
         max_memory_estimation.load_devices = real
 
 
-
 def kv_occupancy(kv_manager: Any) -> tuple[int, int, int | None]:
     """(used blocks, total blocks, requests holding blocks) of a pipeline's KV manager.
 
