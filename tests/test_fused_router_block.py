@@ -12,7 +12,7 @@ from gptoss_max.checkpoint import to_bf16_bits
 from gptoss_max.kernels import reference
 
 H, INTER, E, K, EPS = 64, 32, 8, 2, 1e-5
-RAW_WEIGHTS = {"experts.gate_up_bias", "experts.down_bias", "router_sync"}  # f32 / uint32: not bf16
+F32_WEIGHTS = {"experts.gate_up_bias", "experts.down_bias"}
 
 
 def _bf16_buffer(a: np.ndarray):
@@ -33,7 +33,6 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
         "experts.gate_up_bias": rng.standard_normal((E, 2 * INTER)).astype(np.float32) * 0.1,
         "experts.down_bias": rng.standard_normal((E, H)).astype(np.float32) * 0.1,
         "norm.weight": bf(rng.uniform(0.5, 2.0, H).astype(np.float32)),
-        "router_sync": np.zeros(1, np.uint32),
     }
 
 
@@ -51,8 +50,8 @@ def _build(router: str, weights: dict[str, np.ndarray], monkeypatch):
     cpu = DeviceRef.CPU()
     moe = NativeMoE(hidden=H, inter=INTER, experts=E, top_k=K, mxfp4=False, dtype=DType.bfloat16, device=cpu)
     norm = RMSNorm(H, DType.bfloat16, eps=EPS)
-    # the module's dtypes: the experts' biases are f32, the counter uint32, every other weight bf16
-    state = {k: v if k in RAW_WEIGHTS else _bf16_buffer(v) for k, v in weights.items()}
+    # the module's dtypes: the experts' biases are f32, every other weight bf16
+    state = {k: v if k in F32_WEIGHTS else _bf16_buffer(v) for k, v in weights.items()}
     moe.load_state_dict({k: v for k, v in state.items() if not k.startswith("norm.")}, weight_alignment=1)
     types = [TensorType(DType.float32, ["T", H], cpu)] * 2
     with Graph(f"after_attention_{router}", input_types=types) as graph:

@@ -1,6 +1,6 @@
 """The gpt-oss MoE block: the router is MAX's Linear, its top-k + softmax and the experts our Mojo ops.
-In bf16 graphs, steps of a few tokens run the residual add, the post-attention norm, the router and
-its top-k as one op of ours instead (`NativeMoE.after_attention`, `FusedRouterBlock`).
+In bf16 graphs, steps of a few tokens run the residual add, the post-attention norm and the router
+as one op of ours instead (`NativeMoE.after_attention`, `FusedRouterBlock`).
 
 Expert weights stay MXFP4-sized: (blocks, scales) uint8 pairs, repacked once at load into the
 op's tiled byte order (gptoss_max.mxfp4.tile_for_op), or bf16; never expanded to a BF16 copy of
@@ -18,8 +18,6 @@ from max.nn.linear import Linear
 
 from gptoss_max import maxapi, settings
 from gptoss_max.kernels import ops as moe_ops
-
-ROUTER_SYNC = "router_sync"  # not in checkpoints: arch/weights.py adds it, zero, for each layer
 
 
 class ExpertWeights(Module):
@@ -72,8 +70,6 @@ class NativeMoE(Module):
         super().__init__()
         self.top_k = top_k
         self.router = Linear(hidden, experts, dtype=dtype, device=device, has_bias=True)
-        # The fused head's block counter (ops.router_decode): zero at load, left zero by the op.
-        self.router_sync = Weight(name=ROUTER_SYNC, dtype=DType.uint32, shape=[1], device=device)
         self.experts = ExpertWeights(experts, hidden, inter, mxfp4, dtype, device)
         self._strategy: ShardingStrategy | None = None
 
@@ -88,7 +84,7 @@ class NativeMoE(Module):
         """`(h, mlp(norm(h)))` with `h = residual + attn`: the second half of a transformer block.
 
         bf16 graphs with `GPTOSS_MAX_ROUTER` = fused (the default) take our one-launch op for the
-        add, the norm, the router's logits and its top-k (`router_decode`) on steps of at most
+        add, the norm and the router's logits (`router_decode`) on steps of at most
         `ROUTER_DECODE_MAX_TOKENS` tokens, chosen in the graph from the step's token count (the
         same choice on a CPU, whose path has no bound, so CPU tests run both branches); MAX's
         add + rms_norm + Linear otherwise. Both compute the same values (tests/test_router_decode_op.py)."""
@@ -99,28 +95,24 @@ class NativeMoE(Module):
         # branch is defined in that region and does not dominate its use in the other.
         gamma = ops.cast(TensorValue(norm.weight), attn.dtype).to(attn.device)
         weight, bias = TensorValue(self.router.weight), TensorValue(self.router.bias)
-        sync = TensorValue(self.router_sync)
 
         def fused() -> list[TensorValue]:
-            out = moe_ops.router_decode(attn, residual, gamma, norm.eps, weight, bias, sync, self.top_k)
-            h, xn, _, ids, weights = out
-            return [h, xn, ids, weights]
+            return list(moe_ops.router_decode(attn, residual, gamma, norm.eps, weight, bias))
 
         def unfused() -> list[TensorValue]:
             h = residual + attn
             xn = norm(h)
-            ids, weights = moe_ops.router_topk(self.router(xn), self.top_k)
-            return [h, xn, ids, weights]
+            return [h, xn, self.router(xn)]
 
         tokens = ops.reshape(ops.shape_to_tensor([attn.shape[0]]), [])
         bound = ops.constant(moe_ops.ROUTER_DECODE_MAX_TOKENS, tokens.dtype, device=tokens.device)
         out_types = [
             TensorType(attn.dtype, attn.shape, attn.device),
             TensorType(attn.dtype, attn.shape, attn.device),
-            TensorType(DType.int32, [attn.shape[0], self.top_k], attn.device),
-            TensorType(DType.float32, [attn.shape[0], self.top_k], attn.device),
+            TensorType(attn.dtype, [attn.shape[0], weight.shape[0]], attn.device),
         ]
-        h, xn, ids, weights = ops.cond(ops.greater_equal(bound, tokens), out_types, fused, unfused)
+        h, xn, logits = ops.cond(ops.greater_equal(bound, tokens), out_types, fused, unfused)
+        ids, weights = moe_ops.router_topk(logits, self.top_k)
         return h, self.experts(xn, ids, weights)
 
     # MAX's transformer block shards every mlp; one device is all we support so far.

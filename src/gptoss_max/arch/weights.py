@@ -13,7 +13,6 @@ from max.graph.type import Shape
 from max.graph.weights import WeightData
 
 from gptoss_max import mxfp4
-from gptoss_max.arch.moe import ROUTER_SYNC
 from gptoss_max.checkpoint import BF16, F32, U8, validate
 from gptoss_max.config import ModelSpec
 
@@ -78,8 +77,7 @@ def _convert(name: str, data: WeightData, dtype: DType, owned: bool = False) -> 
 
 
 def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) -> dict[str, WeightData]:
-    """HF gpt-oss tensors -> our module's state dict, in `dtype` except MXFP4 and biases, plus
-    each layer's zeroed `router_sync` counter (not a checkpoint tensor)."""
+    """HF gpt-oss tensors -> our module's state dict, in `dtype` except MXFP4 and biases."""
     datas = {name: w.data() for name, w in weights.items()}
     validate(spec, {name: _describe(d) for name, d in datas.items()})
     out = {}
@@ -87,9 +85,6 @@ def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) 
     for name in list(datas):  # each source is dropped once converted: a file's repack copies
         w = _convert(_rename(name), datas.pop(name), dtype, owned[name])
         out[w.name] = w
-    for i in range(spec.num_hidden_layers):  # the fused MoE head's counters (arch/moe.py), zero
-        name = f"language_model.layers.{i}.mlp.{ROUTER_SYNC}"
-        out[name] = _from_numpy(np.zeros(1, np.uint32), name)
     return out
 
 

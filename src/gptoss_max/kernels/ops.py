@@ -201,58 +201,42 @@ def router_decode(
     eps: float,
     weight: TensorValue,
     bias: TensorValue,
-    sync: TensorValue,
-    k: int,
-) -> tuple[TensorValue, TensorValue, TensorValue, TensorValue, TensorValue]:
-    """The head of a decode step's MoE block in one op (router_decode.mojo), bf16 in:
+) -> tuple[TensorValue, TensorValue, TensorValue]:
+    """The head of a decode step's MoE block in one op (router_decode.mojo), all bf16:
     `h = residual + attn`, `xn = rms_norm(h, gamma, eps)` (f32 inside, the weight applied before
-    the cast), `logits = xn @ weight^T + bias`, then the top-k of the logits and their softmax
-    (router_topk's rule). Returns (h, xn, logits, ids [T, k] int32, weights [T, k] f32).
-
-    `sync`: a uint32 [1] buffer that is zero before the first launch and persists between
-    launches (the GPU path's block counter; the op leaves it zero), one per call site (the model's
-    per-layer `router_sync` weight). The GPU path takes T <= ROUTER_DECODE_MAX_TOKENS and H <=
-    4096 (a caller dispatches larger steps to the unfused ops); the CPU path any T."""
+    the cast) and `logits = xn @ weight^T + bias`. Returns (h, xn, logits). The GPU path takes
+    T <= ROUTER_DECODE_MAX_TOKENS and H <= 4096 (a caller dispatches larger steps to the
+    unfused ops); the CPU path any T."""
     for name, v, rank in (
         ("attn", attn, 2), ("residual", residual, 2), ("gamma", gamma, 1), ("weight", weight, 2), ("bias", bias, 1),
     ):  # fmt: skip
         if v.dtype != DType.bfloat16 or v.rank != rank:
             raise TypeError(f"{name} must be a rank-{rank} bfloat16 tensor, got {v.dtype} rank {v.rank}")
-    if sync.dtype != DType.uint32 or sync.rank != 1:
-        raise TypeError(f"sync must be a rank-1 uint32 tensor, got {sync.dtype} rank {sync.rank}")
     hidden = attn.shape[1]
-    n_experts = weight.shape[0]
     _check_dim("residual tokens", residual.shape[0], attn.shape[0])
     _check_dim("residual H", residual.shape[1], hidden)
     _check_dim("gamma H", gamma.shape[0], hidden)
     _check_dim("weight H", weight.shape[1], hidden)
-    _check_dim("bias E", bias.shape[0], n_experts)
+    _check_dim("bias E", bias.shape[0], weight.shape[0])
     if isinstance(hidden, StaticDim) and int(hidden) % 8:
         raise ValueError(f"router_decode needs H % 8 == 0, got H={int(hidden)}")
-    if isinstance(n_experts, StaticDim):
-        e = int(n_experts)
-        if not (e <= ROUTER_MAX_EXPERTS and 1 <= k <= min(e, ROUTER_MAX_K)):
-            bounds = f"E <= {ROUTER_MAX_EXPERTS} and 1 <= k <= min(E, {ROUTER_MAX_K})"
-            raise ValueError(f"router_decode needs {bounds}, got E={e} k={k}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     _load_kernels()
     tokens = attn.shape[0]
     dev = attn.device
-    h, xn, logits, ids, weights = ops.custom(
+    h, xn, logits = ops.custom(
         "gptoss_router_decode",
         dev,
-        [attn, residual, gamma, weight, bias, sync],
+        [attn, residual, gamma, weight, bias],
         [
             TensorType(DType.bfloat16, [tokens, hidden], dev),
             TensorType(DType.bfloat16, [tokens, hidden], dev),
-            TensorType(DType.bfloat16, [tokens, n_experts], dev),
-            TensorType(DType.int32, [tokens, k], dev),
-            TensorType(DType.float32, [tokens, k], dev),
+            TensorType(DType.bfloat16, [tokens, weight.shape[0]], dev),
         ],
         parameters={"eps": float(eps)},
     )
-    return h.tensor, xn.tensor, logits.tensor, ids.tensor, weights.tensor
+    return h.tensor, xn.tensor, logits.tensor
 
 
 def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = True) -> TensorValue:

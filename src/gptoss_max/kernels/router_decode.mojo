@@ -4,17 +4,13 @@ from layout import coord_to_index_list
 from max.algorithm import elementwise
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, lane_id, thread_idx, warp_id
 from max.gpu.host import DeviceContext
-from max.gpu.intrinsics import threadfence
 from max.gpu.memory import AddressSpace, load
 from max.gpu.primitives.warp import shuffle_xor
-from std.atomic import Atomic
 from std.collections import Array
 from std.math import rsqrt
 from std.memory import bitcast, stack_allocation
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
-
-from .router_topk import ROUTER_MAX_EXPERTS, ROUTER_MAX_K, topk_softmax_serial, warp_topk_softmax
 
 # The head of a decode step's MoE block in one launch: the residual add after
 # attention, the post-attention RMS norm and the router's logits,
@@ -22,24 +18,17 @@ from .router_topk import ROUTER_MAX_EXPERTS, ROUTER_MAX_K, topk_softmax_serial, 
 #   xn     = bf16(h * rsqrt(mean(h^2) + eps) * gamma)   (f32 inside, MAX's
 #            rms_norm with multiply_before_cast, HF's GptOssRMSNorm)
 #   logits = bf16(xn W^T + b)                    (MAX's bf16 Linear)
-#   ids, weights = top-k of the logits and their softmax (router_topk.mojo's
-#            rule, its warp function)
 # Why: a 120b batch-1 step runs these as MAX's fused-residual norm (~2.9 us)
-# then its split-K GEMV (~2.8 us) and our top-k (~2.0 us), three launches each
-# bound by latency, not bytes (the router weight is 0.74 MB). Here the router
-# rows' loads are issued first and the norm is computed while they are in
-# flight; the last block to finish its logits (a counter) does the top-k.
+# then its split-K GEMV (~2.8 us), two launches each bound by latency, not
+# bytes (the router weight is 0.74 MB). Here the router rows' loads are issued
+# first and the norm is computed while they are in flight.
 #
 # GPU: a block of RD_WARPS warps, a warp per router row (expert). Every block
 # computes the norm of the step's (<= RD_MAX_TOKENS) tokens itself into shared
 # memory (a few KB read from L2) and writes its own slice of h and xn. All of
 # a thread's loads (its router row's chunks, its attn / residual / gamma
 # vectors) are issued before any of them is used: one memory round trip, then
-# two block barriers. The counter lives in a buffer that persists between
-# launches (the model's `router_sync` weight, zero at load): every block adds
-# one after writing its logits, the block that brings it to the block count
-# runs the top-k and sets it back to zero. CPU: a task per token, the same
-# arithmetic (the counter unused).
+# two block barriers. CPU: a task per token, the same arithmetic.
 
 comptime RD_WARPS = 4
 comptime RD_MAX_TOKENS = 4
@@ -59,9 +48,6 @@ def router_decode_kernel[
     h_out: Pointer[BFloat16, MutAnyOrigin],
     xn_out: Pointer[BFloat16, MutAnyOrigin],
     logits: Pointer[BFloat16, MutAnyOrigin],
-    ids: Pointer[Int32, MutAnyOrigin],
-    weights: Pointer[Float32, MutAnyOrigin],
-    sync: Pointer[UInt32, MutAnyOrigin],
     attn: Pointer[BFloat16, ImmutAnyOrigin],
     residual: Pointer[BFloat16, ImmutAnyOrigin],
     gamma: Pointer[BFloat16, ImmutAnyOrigin],
@@ -69,7 +55,6 @@ def router_decode_kernel[
     bias: Pointer[BFloat16, ImmutAnyOrigin],
     n_: Int64,
     k_: Int64,
-    top_k_: Int64,
     eps: Float32,
 ):
     """tokens: the step's token count (1..RD_MAX_TOKENS); chunks: 16-byte
@@ -173,25 +158,6 @@ def router_decode_kernel[
         comptime for t in range(tokens):
             logits[unsafe_offset=t * n + row] = (acc[t] + b).cast[DType.bfloat16]()
 
-    # 6. The last block done runs the top-k, a warp per token.
-    var last = stack_allocation[1, Int32, address_space=AddressSpace.SHARED]()
-    threadfence()
-    barrier()
-    if tid == 0:
-        var old = Atomic.fetch_add(sync, 1)
-        last[0] = 1 if Int(old) == blocks - 1 else 0
-    barrier()
-    if last[0] == 0:
-        return
-    if tid == 0:
-        sync[0] = 0  # every block has counted: ready for the next launch
-    threadfence()
-    if warp < tokens:
-        var top_k = Int(top_k_)
-        warp_topk_softmax[DType.bfloat16, ROUTER_MAX_EXPERTS // 32, True](
-            ids.unsafe_offset(warp * top_k), weights.unsafe_offset(warp * top_k), logits.unsafe_offset(warp * n), n, top_k
-        )
-
 
 def _launch[
     tokens: Int
@@ -200,9 +166,6 @@ def _launch[
     h: Pointer[BFloat16, MutAnyOrigin],
     xn: Pointer[BFloat16, MutAnyOrigin],
     lg: Pointer[BFloat16, MutAnyOrigin],
-    ids: Pointer[Int32, MutAnyOrigin],
-    wts: Pointer[Float32, MutAnyOrigin],
-    sync: Pointer[UInt32, MutAnyOrigin],
     a: Pointer[BFloat16, ImmutAnyOrigin],
     r: Pointer[BFloat16, ImmutAnyOrigin],
     g: Pointer[BFloat16, ImmutAnyOrigin],
@@ -210,45 +173,36 @@ def _launch[
     b: Pointer[BFloat16, ImmutAnyOrigin],
     n: Int,
     k: Int,
-    top_k: Int,
     eps: Float32,
 ) raises:
     var grid = (n + RD_WARPS - 1) // RD_WARPS
     # gpt-oss's hidden is 2880: 12 chunks per lane
     if (k // 8 + 31) // 32 <= 12:
         ctx.enqueue_function[router_decode_kernel[tokens, 12]](
-            h, xn, lg, ids, wts, sync, a, r, g, w, b, Int64(n), Int64(k), Int64(top_k), eps,
-            grid_dim=grid, block_dim=RD_WARPS * 32,
-        )  # fmt: skip
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=RD_WARPS * 32
+        )
     else:
         ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS]](
-            h, xn, lg, ids, wts, sync, a, r, g, w, b, Int64(n), Int64(k), Int64(top_k), eps,
-            grid_dim=grid, block_dim=RD_WARPS * 32,
-        )  # fmt: skip
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=RD_WARPS * 32
+        )
 
 
 @extensibility.register("gptoss_router_decode")
 struct RouterDecode:
-    """Residual add + RMS norm + router logits + top-k of a decode step.
+    """Residual add + RMS norm + router logits of a decode step.
 
-    Boundary (contiguous, row-major):
-      h        [T, H]  bf16 out: residual + attn
-      xn       [T, H]  bf16 out: rms_norm(h) * gamma
-      logits   [T, E]  bf16 out: xn W^T + bias
-      ids      [T, K]  int32 out: the top-k experts, best first (router_topk's rule)
-      weights  [T, K]  f32 out: softmax over those k logits
-      attn     [T, H]  bf16: the attention block's output (after o_proj)
-      residual [T, H]  bf16: the residual stream before it
-      gamma    [H]     bf16: the post-attention norm's weight
-      w        [E, H]  bf16: the router weight (MAX Linear's layout)
-      bias     [E]     bf16
-      sync     [1]     uint32: zero before the first launch; the GPU path's
-                       counter, written by the op and left zero (the model's
-                       `router_sync` weight: one per layer, never shared by
-                       launches that may run together)
-    eps: the norm's epsilon (op parameter). H % 8 == 0, E <= 256,
-    K <= min(E, 32). GPU: T <= 4 and H <= 4096 (the caller dispatches larger
-    steps to the unfused ops); CPU: any T and H.
+    Boundary (contiguous, row-major, all bf16):
+      h        [T, H]  out: residual + attn
+      xn       [T, H]  out: rms_norm(h) * gamma
+      logits   [T, E]  out: xn W^T + bias
+      attn     [T, H]  the attention block's output (after o_proj)
+      residual [T, H]  the residual stream before it
+      gamma    [H]     the post-attention norm's weight
+      w        [E, H]  the router weight (MAX Linear's layout)
+      bias     [E]
+    eps: the norm's epsilon (op parameter). H % 8 == 0. GPU: T <= 4 and
+    H <= 4096 (the caller dispatches larger steps to the unfused ops); CPU:
+    any T and H.
     """
 
     @staticmethod
@@ -259,20 +213,16 @@ struct RouterDecode:
         h: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
         xn: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
         logits: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
-        ids: OutputTensor[dtype=DType.int32, rank=2, ...],
-        weights: OutputTensor[dtype=DType.float32, rank=2, ...],
         attn: InputTensor[dtype=DType.bfloat16, rank=2, ...],
         residual: InputTensor[dtype=DType.bfloat16, rank=2, ...],
         gamma: InputTensor[dtype=DType.bfloat16, rank=1, ...],
         w: InputTensor[dtype=DType.bfloat16, rank=2, ...],
         bias: InputTensor[dtype=DType.bfloat16, rank=1, ...],
-        sync: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         var tokens = attn.dim_size[0]()
         var k = attn.dim_size[1]()
         var n = w.dim_size[0]()
-        var top_k = ids.dim_size[1]()
         if (
             residual.dim_size[0]() != tokens
             or residual.dim_size[1]() != k
@@ -285,26 +235,18 @@ struct RouterDecode:
             or xn.dim_size[1]() != k
             or logits.dim_size[0]() != tokens
             or logits.dim_size[1]() != n
-            or ids.dim_size[0]() != tokens
-            or weights.dim_size[0]() != tokens
-            or weights.dim_size[1]() != top_k
-            or sync.dim_size[0]() < 1
         ):
             raise Error(
                 "gptoss_router_decode: shapes must be attn, residual, h, xn [T, H], gamma [H], w [E, H], bias [E],"
-                " logits [T, E], ids, weights [T, K], sync [1]"
+                " logits [T, E]"
             )
         if k % 8 != 0:
             raise Error("gptoss_router_decode: needs H % 8 == 0")
-        if n > ROUTER_MAX_EXPERTS or top_k < 1 or top_k > min(n, ROUTER_MAX_K):
-            raise Error("gptoss_router_decode: needs E <= 256 and 1 <= K <= min(E, 32)")
-        if tokens == 0:
+        if tokens == 0 or n == 0:
             return
         var hp = h.unsafe_ptr()
         var xp = xn.unsafe_ptr()
         var lp = logits.unsafe_ptr()
-        var idp = ids.unsafe_ptr()
-        var wtp = weights.unsafe_ptr()
         var ap = attn.unsafe_ptr()
         var rp = residual.unsafe_ptr()
         var gp = gamma.unsafe_ptr()
@@ -314,21 +256,19 @@ struct RouterDecode:
         comptime if target == "gpu":
             if tokens > RD_MAX_TOKENS or k > RD_MAX_CHUNKS * 256:
                 raise Error("gptoss_router_decode GPU path: needs T <= 4 and H <= 4096")
-            # the counter persists between launches: written here though the graph passes it as an input
-            var sp = sync.unsafe_ptr().unsafe_mut_cast[True]()
             if tokens == 1:
-                _launch[1](ctx, hp, xp, lp, idp, wtp, sp, ap, rp, gp, wp, bp, n, k, top_k, eps)
+                _launch[1](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
             elif tokens == 2:
-                _launch[2](ctx, hp, xp, lp, idp, wtp, sp, ap, rp, gp, wp, bp, n, k, top_k, eps)
+                _launch[2](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
             elif tokens == 3:
-                _launch[3](ctx, hp, xp, lp, idp, wtp, sp, ap, rp, gp, wp, bp, n, k, top_k, eps)
+                _launch[3](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
             else:
-                _launch[4](ctx, hp, xp, lp, idp, wtp, sp, ap, rp, gp, wp, bp, n, k, top_k, eps)
+                _launch[4](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
             return
 
         def one_token[
             width: Int, alignment: Int = 1
-        ](idx: Coord) {var hp, var xp, var lp, var idp, var wtp, var ap, var rp, var gp, var wp, var bp, var n, var k, var top_k}:
+        ](idx: Coord) {var hp, var xp, var lp, var ap, var rp, var gp, var wp, var bp, var n, var k}:
             var t = coord_to_index_list(idx)[0]
             var ss: Float32 = 0
             for c in range(k):
@@ -351,8 +291,5 @@ struct RouterDecode:
                         DType.float32
                     ]()
                 lp[unsafe_offset=t * n + e] = (s + bp[unsafe_offset=e].cast[DType.float32]()).cast[DType.bfloat16]()
-            topk_softmax_serial(
-                idp.unsafe_offset(t * top_k), wtp.unsafe_offset(t * top_k), lp.unsafe_offset(t * n), n, top_k
-            )
 
         elementwise[simd_width=1, target=target](one_token, Coord(tokens), ctx)

@@ -42,31 +42,31 @@ def _softmax_term(v: Float32, vmax: Float32) -> Float32:
     return Float32(1.0) if v == vmax else exp(v - vmax)
 
 
-@always_inline
-def warp_topk_softmax[
-    in_dtype: DType, per_lane: Int, fresh: Bool
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(ROUTER_WARPS * 32)))
+def router_topk_kernel[
+    in_dtype: DType, per_lane: Int
 ](
     ids: Pointer[Int32, MutAnyOrigin],
     weights: Pointer[Float32, MutAnyOrigin],
-    row: Pointer[Scalar[in_dtype], _],
-    n_experts: Int,
-    top_k: Int,
+    logits: Pointer[Scalar[in_dtype], ImmutAnyOrigin],
+    tokens_: Int64,
+    n_experts_: Int64,
+    top_k_: Int64,
 ):
-    """Warp-wide: one token's top-k of the E logits at `row` (E <= 32 *
-    per_lane) and their softmax, written to ids[0, k) and weights[0, k).
-    fresh: the logits were just written by other blocks of this launch (read
-    them volatile, past any stale L1 line)."""
+    var tokens = Int(tokens_)
+    var n_experts = Int(n_experts_)
+    var top_k = Int(top_k_)
+    var t = Int(block_idx.x) * ROUTER_WARPS + Int(warp_id())
+    if t >= tokens:
+        return
     var lane = Int(lane_id())
+    var row = logits.unsafe_offset(t * n_experts)
     var v = Array[Float32, per_lane](fill=0)
     var free = Array[Bool, per_lane](fill=False)
     comptime for j in range(per_lane):
         var e = lane + 32 * j
         if e < n_experts:
-            var x: Float32
-            comptime if fresh:
-                x = row.unsafe_load[volatile=True](e).cast[DType.float32]()
-            else:
-                x = row[unsafe_offset=e].cast[DType.float32]()
+            var x = row[unsafe_offset=e].cast[DType.float32]()
             v[j] = x
             free[j] = x == x  # NaN is never chosen
     var mine_v = Float32(0)
@@ -103,72 +103,8 @@ def warp_topk_softmax[
     comptime for s in range(5):
         total += shuffle_xor(total, UInt32(16 >> s))
     if lane < top_k:
-        ids[unsafe_offset=lane] = Int32(-1) if mine_i == _NONE else Int32(mine_i)
-        weights[unsafe_offset=lane] = p / total if total > 0 else Float32(0)
-
-
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(ROUTER_WARPS * 32)))
-def router_topk_kernel[
-    in_dtype: DType, per_lane: Int
-](
-    ids: Pointer[Int32, MutAnyOrigin],
-    weights: Pointer[Float32, MutAnyOrigin],
-    logits: Pointer[Scalar[in_dtype], ImmutAnyOrigin],
-    tokens_: Int64,
-    n_experts_: Int64,
-    top_k_: Int64,
-):
-    var tokens = Int(tokens_)
-    var n_experts = Int(n_experts_)
-    var top_k = Int(top_k_)
-    var t = Int(block_idx.x) * ROUTER_WARPS + Int(warp_id())
-    if t >= tokens:
-        return
-    warp_topk_softmax[in_dtype, per_lane, False](
-        ids.unsafe_offset(t * top_k), weights.unsafe_offset(t * top_k), logits.unsafe_offset(t * n_experts), n_experts, top_k
-    )
-
-
-def topk_softmax_serial[
-    in_dtype: DType
-](
-    ids: Pointer[Int32, MutAnyOrigin],
-    weights: Pointer[Float32, MutAnyOrigin],
-    row: Pointer[Scalar[in_dtype], _],
-    n_experts: Int,
-    top_k: Int,
-):
-    """One thread: the same rule as warp_topk_softmax for one token (CPU)."""
-    var taken = Array[Bool, ROUTER_MAX_EXPERTS](fill=False)
-    var vmax = Float32(0)
-    var chosen = Array[Float32, ROUTER_MAX_K](fill=0)
-    var total = Float32(0)
-    var found = 0
-    for k in range(top_k):
-        var bv = Float32(0)
-        var bi = _NONE
-        for e in range(n_experts):
-            var x = row[unsafe_offset=e].cast[DType.float32]()
-            if taken[e] or x != x:
-                continue
-            if bi == _NONE or _before(x, UInt32(e), bv, bi):
-                bv = x
-                bi = UInt32(e)
-        if bi == _NONE:
-            break
-        taken[Int(bi)] = True
-        if k == 0:
-            vmax = bv
-        chosen[k] = _softmax_term(bv, vmax)
-        total += chosen[k]
-        ids[unsafe_offset=k] = Int32(bi)
-        found = k + 1
-    for k in range(top_k):
-        if k >= found:
-            ids[unsafe_offset=k] = Int32(-1)
-            weights[unsafe_offset=k] = Float32(0)
-        else:
-            weights[unsafe_offset=k] = chosen[k] / total
+        ids[unsafe_offset=t * top_k + lane] = Int32(-1) if mine_i == _NONE else Int32(mine_i)
+        weights[unsafe_offset=t * top_k + lane] = p / total if total > 0 else Float32(0)
 
 
 def _launch[
@@ -240,8 +176,36 @@ struct RouterTopK:
             width: Int, alignment: Int = 1
         ](idx: Coord) {var idp, var wp, var lp, var n_experts, var top_k}:
             var t = coord_to_index_list(idx)[0]
-            topk_softmax_serial(
-                idp.unsafe_offset(t * top_k), wp.unsafe_offset(t * top_k), lp.unsafe_offset(t * n_experts), n_experts, top_k
-            )
+            var row = lp.unsafe_offset(t * n_experts)
+            var taken = Array[Bool, ROUTER_MAX_EXPERTS](fill=False)
+            var vmax = Float32(0)
+            var chosen = Array[Float32, ROUTER_MAX_K](fill=0)
+            var total = Float32(0)
+            var found = 0
+            for k in range(top_k):
+                var bv = Float32(0)
+                var bi = _NONE
+                for e in range(n_experts):
+                    var x = row[unsafe_offset=e].cast[DType.float32]()
+                    if taken[e] or x != x:
+                        continue
+                    if bi == _NONE or _before(x, UInt32(e), bv, bi):
+                        bv = x
+                        bi = UInt32(e)
+                if bi == _NONE:
+                    break
+                taken[Int(bi)] = True
+                if k == 0:
+                    vmax = bv
+                chosen[k] = _softmax_term(bv, vmax)
+                total += chosen[k]
+                idp[unsafe_offset=t * top_k + k] = Int32(bi)
+                found = k + 1
+            for k in range(top_k):
+                if k >= found:
+                    idp[unsafe_offset=t * top_k + k] = Int32(-1)
+                    wp[unsafe_offset=t * top_k + k] = Float32(0)
+                else:
+                    wp[unsafe_offset=t * top_k + k] = chosen[k] / total
 
         elementwise[simd_width=1, target=target](route_token, Coord(tokens), ctx)
