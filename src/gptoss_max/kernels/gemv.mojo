@@ -38,7 +38,7 @@ comptime GEMV_MAX_CHUNKS = 16  # per lane: K <= 16 * 32 * 8 = 4096
 
 
 @always_inline
-def _bf16_pair_f32(w: UInt32) -> SIMD[DType.float32, 2]:
+def bf16_pair_f32(w: UInt32) -> SIMD[DType.float32, 2]:
     """The two bf16 of a word (low half first) as f32: exact, two integer ops."""
     return SIMD[DType.float32, 2](bitcast[DType.float32, 1](w << 16), bitcast[DType.float32, 1](w & 0xFFFF0000))
 
@@ -96,7 +96,7 @@ def gemv_kernel[
             if c >= nch:
                 xv = SIMD[DType.uint32, 4](0)
             comptime for j in range(4):
-                s = _bf16_pair_f32(wv[i][j]).fma(_bf16_pair_f32(xv[j]), s)
+                s = bf16_pair_f32(wv[i][j]).fma(bf16_pair_f32(xv[j]), s)
         acc[t] = s[0] + s[1]
     comptime for t in range(tokens):
         comptime for m in range(5):

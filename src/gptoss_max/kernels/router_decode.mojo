@@ -8,9 +8,11 @@ from max.gpu.memory import AddressSpace, load
 from max.gpu.primitives.warp import shuffle_xor
 from std.collections import Array
 from std.math import rsqrt
-from std.memory import bitcast, stack_allocation
+from std.memory import stack_allocation
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
+
+from .gemv import bf16_pair_f32
 
 # The head of a decode step's MoE block in one launch: the residual add after
 # attention, the post-attention RMS norm and the router's logits,
@@ -33,12 +35,6 @@ from std.utils.static_tuple import StaticTuple
 comptime RD_WARPS = 4
 comptime RD_MAX_TOKENS = 4
 comptime RD_MAX_CHUNKS = 16  # 16-byte chunks per lane: hidden <= 16 * 32 * 8 = 4096
-
-
-@always_inline
-def _bf16_pair_f32(w: UInt32) -> SIMD[DType.float32, 2]:
-    """The two bf16 of a word (low half first) as f32: exact, two integer ops."""
-    return SIMD[DType.float32, 2](bitcast[DType.float32, 1](w << 16), bitcast[DType.float32, 1](w & 0xFFFF0000))
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(RD_WARPS * 32)))
@@ -148,7 +144,7 @@ def router_decode_kernel[
             if c >= nch:
                 xv = SIMD[DType.uint32, 4](0)
             comptime for j in range(4):
-                s = _bf16_pair_f32(wv[i][j]).fma(_bf16_pair_f32(xv[j]), s)
+                s = bf16_pair_f32(wv[i][j]).fma(bf16_pair_f32(xv[j]), s)
         acc[t] = s[0] + s[1]
     comptime for t in range(tokens):
         comptime for m in range(5):
