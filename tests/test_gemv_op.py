@@ -7,35 +7,26 @@ import numpy as np
 import pytest
 
 from gptoss_max.kernels import reference
+from op_graphs import load_op_graph, op_devices, skip_past_gpu_bound
 
 
-def _devices() -> list[str]:
-    from max.driver import accelerator_count
-
-    return ["cpu", "gpu"] if accelerator_count() > 0 else ["cpu"]
-
-
-@pytest.fixture(scope="module", params=_devices())
+@pytest.fixture(scope="module", params=op_devices())
 def gemv_model(request):
-    from max.driver import CPU, Accelerator
     from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType
+    from max.graph import TensorType
     from max.graph import ops as gops
 
     from gptoss_max.kernels import ops
-
-    device = Accelerator() if request.param == "gpu" else CPU()
-    ref = DeviceRef.from_device(device)
 
     def forward(x, w, b):
         bf = DType.bfloat16
         args = (gops.cast(x, bf), gops.cast(w, bf), gops.cast(b, bf))
         return [gops.cast(ops.gemv(*args, staged=s), DType.float32) for s in (True, False)]
 
-    types = [TensorType(DType.float32, dims, ref) for dims in (["T", "K"], ["N", "K"], ["N"])]
-    model = InferenceSession(devices=[device]).load(Graph(f"gemv_{request.param}", forward=forward, input_types=types))
-    return request.param, device, model
+    def types(ref):
+        return [TensorType(DType.float32, dims, ref) for dims in (["T", "K"], ["N", "K"], ["N"])]
+
+    return request.param, *load_op_graph(request.param, "gemv", forward, types)
 
 
 @pytest.mark.parametrize(
@@ -47,8 +38,7 @@ def test_gemv_matches_float64(gemv_model, tokens, n, k) -> None:
     from max.driver import CPU, Buffer
 
     kind, device, model = gemv_model
-    if kind == "gpu" and tokens > 2:
-        pytest.skip("the GPU path takes T <= 2 by design; the model dispatches larger steps")
+    skip_past_gpu_bound(kind, tokens, 2)
     rng = np.random.default_rng(tokens * 7919 + n * 31 + k)
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)

@@ -16,6 +16,7 @@ import pytest
 
 from gptoss_max import mxfp4
 from gptoss_max.kernels import reference
+from op_graphs import op_devices
 from reporting import report
 
 pytestmark = pytest.mark.slow
@@ -89,13 +90,7 @@ class Target:
         return [o.to(CPU()).to_numpy() for o in model.execute(*args)]
 
 
-def _devices() -> list[str]:
-    from max.driver import accelerator_count
-
-    return ["cpu", "gpu"] if accelerator_count() > 0 else ["cpu"]
-
-
-@pytest.fixture(scope="module", params=_devices())
+@pytest.fixture(scope="module", params=op_devices())
 def target(request: pytest.FixtureRequest) -> Target:
     from max.driver import CPU, Accelerator
     from max.engine import InferenceSession

@@ -9,38 +9,28 @@ import numpy as np
 import pytest
 
 from gptoss_max.kernels import reference
+from op_graphs import load_op_graph, op_devices, skip_past_gpu_bound
 
 EPS = 1e-5
 
 
-def _devices() -> list[str]:
-    from max.driver import accelerator_count
-
-    return ["cpu", "gpu"] if accelerator_count() > 0 else ["cpu"]
-
-
-@pytest.fixture(scope="module", params=_devices())
+@pytest.fixture(scope="module", params=op_devices())
 def router_model(request):
-    from max.driver import CPU, Accelerator
     from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType
+    from max.graph import TensorType
     from max.graph import ops as gops
 
     from gptoss_max.kernels import ops
-
-    device = Accelerator() if request.param == "gpu" else CPU()
-    ref = DeviceRef.from_device(device)
 
     def forward(a, r, g, w, b):
         args = [gops.cast(v, DType.bfloat16) for v in (a, r, g, w, b)]
         h, xn, logits = ops.router_decode(args[0], args[1], args[2], EPS, args[3], args[4])
         return [gops.cast(v, DType.float32) for v in (h, xn, logits)]
 
-    dims = (["T", "H"], ["T", "H"], ["H"], ["E", "H"], ["E"])
-    types = [TensorType(DType.float32, d, ref) for d in dims]
-    graph = Graph(f"router_decode_{request.param}", forward=forward, input_types=types)
-    return request.param, device, InferenceSession(devices=[device]).load(graph)
+    def types(ref):
+        return [TensorType(DType.float32, d, ref) for d in (["T", "H"], ["T", "H"], ["H"], ["E", "H"], ["E"])]
+
+    return request.param, *load_op_graph(request.param, "router_decode", forward, types)
 
 
 def reference_router(a, r, g, w, b, eps=EPS):
@@ -60,8 +50,7 @@ def test_router_decode_matches_float64(router_model, tokens, experts, hidden) ->
     from max.driver import CPU, Buffer
 
     kind, device, model = router_model
-    if kind == "gpu" and tokens > 4:
-        pytest.skip("the GPU path takes T <= 4 by design; the model dispatches larger steps")
+    skip_past_gpu_bound(kind, tokens, 4)
     rng = np.random.default_rng(tokens * 7919 + experts * 31 + hidden)
     a = rng.standard_normal((tokens, hidden)).astype(np.float32)
     r = (3 * rng.standard_normal((tokens, hidden))).astype(np.float32)
