@@ -12,7 +12,8 @@ For gpt-oss's shapes (qkv 2880 -> 5120, o_proj 4096 -> 2880, router 2880 -> 128)
   roofline_us  weight + activation + bias bytes / the device copy bandwidth of the same run;
   correctness first: every variant against torch's float64 product of the same bf16 inputs.
 
-Prints a table and writes <out>/gemv_<gpu>_<yyyymmdd>.json. Needs MAX (docs/GPU.md) and torch
+Prints a table and writes <out>/gemv_<gpu>_<yyyymmdd>.json, rewritten after every row (a run cut
+short keeps what it measured). Needs MAX (docs/GPU.md) and torch
 with CUDA.
 """
 
@@ -106,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, failures = [], []
     big = 1 + args.chain
+    path = gpu.result_path(args.out, "gemv")
+
+    def save() -> None:
+        """The JSON as it stands: written after every row, so a run cut short keeps its rows."""
+        result = result_header("bench/gemv.py", argv, gpu, copy_tb_s) | {"rows": rows, "failures": failures}
+        path.write_text(json.dumps(result, indent=1) + "\n")
 
     def buf(t):
         return Buffer.from_dlpack(t.contiguous())
@@ -142,15 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             row["bw_frac_staged"] = round(row["roofline_us"] / row["staged_us"], 3)
             row["bw_frac_max"] = round(row["roofline_us"] / row["max_us"], 3)
             rows.append(row)
+            save()
             print(
                 f"{shape:7s} T={tokens}  staged {row['staged_us']:7.2f}  regs {row['regs_us']:7.2f}  "
                 f"MAX {row['max_us']:7.2f}  roof {row['roofline_us']:6.2f} us",
                 flush=True,
             )
 
-    result = result_header("bench/gemv.py", argv, gpu, copy_tb_s) | {"rows": rows, "failures": failures}
-    path = gpu.result_path(args.out, "gemv")
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    save()
     return finish(path, failures)
 
 
