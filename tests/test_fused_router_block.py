@@ -64,11 +64,8 @@ def _build(router: str, weights: dict[str, np.ndarray], monkeypatch):
 
 
 def _reference(attn: np.ndarray, residual: np.ndarray, w: dict[str, np.ndarray]):
-    bf = reference.round_to_bf16
-    h = bf(attn + residual).astype(np.float64)
-    inv = 1.0 / np.sqrt((h * h).mean(axis=1, keepdims=True) + EPS)
-    xn = bf((h * inv * w["norm.weight"]).astype(np.float32)).astype(np.float64)
-    logits = bf((xn @ w["router.weight"].T.astype(np.float64) + w["router.bias"]).astype(np.float32))
+    h, xn, logits = reference.router_head(attn, residual, w["norm.weight"], w["router.weight"], w["router.bias"], EPS)
+    logits = reference.round_to_bf16(logits.astype(np.float32))  # the model's bf16 Linear
     order = np.argsort(-logits, axis=1, kind="stable")[:, :K]  # ties: the lower id
     top = np.take_along_axis(logits, order, axis=1).astype(np.float64)
     p = np.exp(top - top[:, :1])

@@ -33,14 +33,6 @@ def router_model(request):
     return request.param, *load_op_graph(request.param, "router_decode", forward, types)
 
 
-def reference_router(a, r, g, w, b, eps=EPS):
-    """float64 with HF's bf16 rounding points; inputs already bf16 values."""
-    h = reference.round_to_bf16((a + r).astype(np.float32)).astype(np.float64)
-    inv = 1.0 / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps)
-    xn = reference.round_to_bf16((h * inv * g).astype(np.float32)).astype(np.float64)
-    return h, xn, xn @ w.T + b
-
-
 @pytest.mark.parametrize(
     "tokens, experts, hidden",
     [(1, 128, 2880), (2, 32, 2880), (3, 9, 64), (4, 128, 4096), (1, 5, 8), (6, 16, 256)],
@@ -58,7 +50,7 @@ def test_router_decode_matches_float64(router_model, tokens, experts, hidden) ->
     w = (rng.standard_normal((experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
     b = rng.standard_normal(experts).astype(np.float32)
     inputs = [reference.round_to_bf16(v) for v in (a, r, g, w, b)]
-    want_h, want_xn, want_logits = reference_router(*(v.astype(np.float64) for v in inputs))
+    want_h, want_xn, want_logits = reference.router_head(*(v.astype(np.float64) for v in inputs), EPS)
     outputs = model.execute(*[Buffer.from_numpy(v).to(device) for v in inputs])
     got_h, got_xn, got_logits = (y.to(CPU()).to_numpy() for y in outputs)
     for got in (got_h, got_xn, got_logits):

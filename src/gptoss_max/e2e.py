@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from gptoss_max import memory
+from gptoss_max import memory, settings
 from gptoss_max.config import ModelSpec
 from gptoss_max.synthetic import SyntheticModel
 
@@ -610,15 +610,6 @@ def merge_only(args: argparse.Namespace) -> int:
     return 0
 
 
-# Environment settings that change what the model runs (settings.py); data paths and keys are not.
-_RUN_SETTINGS = ("GPTOSS_MAX_ATTENTION", "GPTOSS_MAX_MOE_PATH", "GPTOSS_MAX_ROUTER")
-
-
-def _setting_env() -> list[str]:
-    """`NAME=value` for each run-changing setting this process has, as the command's prefix."""
-    return [f"{k}={os.environ[k]}" for k in _RUN_SETTINGS if os.environ.get(k)]
-
-
 def run(args: argparse.Namespace) -> int:
     from gptoss_max.engine import uses_gpu
 
@@ -651,7 +642,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "device": name or "cpu",
         "date": date.isoformat(),
-        "command": shlex.join([*_setting_env(), *argv]),
+        "command": shlex.join([*settings.run_setting_env(), *argv]),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "rows": [],

@@ -67,3 +67,12 @@ def router_impl() -> str:
     if value not in ("auto", "fused", "max"):
         raise ValueError(f"GPTOSS_MAX_ROUTER must be auto, fused or max, not {value!r}")
     return "fused" if value == "auto" else value
+
+
+# The settings above that change what the model computes or how fast (data paths and keys do not).
+RUN_SETTINGS = ("GPTOSS_MAX_ATTENTION", "GPTOSS_MAX_MOE_PATH", "GPTOSS_MAX_ROUTER")
+
+
+def run_setting_env() -> list[str]:
+    """`NAME=value` for each run-changing setting set in this process: a benchmark command's prefix."""
+    return [f"{k}={os.environ[k]}" for k in RUN_SETTINGS if os.environ.get(k)]

@@ -74,7 +74,10 @@ class NativeMoE(Module):
         self._strategy: ShardingStrategy | None = None
 
     def __call__(self, x: TensorValue) -> TensorValue:  # x: [T, H]
-        logits = self.router(x)  # [T, E]
+        return self._experts_of(x, self.router(x))
+
+    def _experts_of(self, x: TensorValue, logits: TensorValue) -> TensorValue:
+        """x [T, H] through the experts the router's logits [T, E] pick (top-k, softmax over k)."""
         ids, weights = moe_ops.router_topk(logits, self.top_k)  # [T, K] int32, f32 softmaxed
         return self.experts(x, ids, weights)  # [T, H]
 
@@ -88,9 +91,15 @@ class NativeMoE(Module):
         `ROUTER_DECODE_MAX_TOKENS` tokens, chosen in the graph from the step's token count (the
         same choice on a CPU, whose path has no bound, so CPU tests run both branches); MAX's
         add + rms_norm + Linear otherwise. Both compute the same values (tests/test_router_decode_op.py)."""
-        if attn.dtype != DType.bfloat16 or settings.router_impl() != "fused":
+
+        def unfused() -> list[TensorValue]:  # MAX's add, rms_norm and Linear
             h = residual + attn
-            return h, self(norm(h))
+            xn = norm(h)
+            return [h, xn, self.router(xn)]
+
+        if attn.dtype != DType.bfloat16 or settings.router_impl() != "fused":
+            h, xn, logits = unfused()
+            return h, self._experts_of(xn, logits)
         # Materialized here, outside both branches of ops.cond: a weight first used inside one
         # branch is defined in that region and does not dominate its use in the other.
         gamma = ops.cast(TensorValue(norm.weight), attn.dtype).to(attn.device)
@@ -98,11 +107,6 @@ class NativeMoE(Module):
 
         def fused() -> list[TensorValue]:
             return list(moe_ops.router_decode(attn, residual, gamma, norm.eps, weight, bias))
-
-        def unfused() -> list[TensorValue]:
-            h = residual + attn
-            xn = norm(h)
-            return [h, xn, self.router(xn)]
 
         tokens = ops.reshape(ops.shape_to_tensor([attn.shape[0]]), [])
         bound = ops.constant(moe_ops.ROUTER_DECODE_MAX_TOKENS, tokens.dtype, device=tokens.device)
@@ -112,8 +116,7 @@ class NativeMoE(Module):
             TensorType(attn.dtype, [attn.shape[0], weight.shape[0]], attn.device),
         ]
         h, xn, logits = ops.cond(ops.greater_equal(bound, tokens), out_types, fused, unfused)
-        ids, weights = moe_ops.router_topk(logits, self.top_k)
-        return h, self.experts(xn, ids, weights)
+        return h, self._experts_of(xn, logits)
 
     # MAX's transformer block shards every mlp; one device is all we support so far.
     @property

@@ -30,6 +30,23 @@ def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return mxfp4.decode(blocks.reshape(*blocks.shape[:-1], nb, 16), scales)
 
 
+def router_head(
+    attn: np.ndarray,  # [T, H] bf16 values
+    residual: np.ndarray,  # [T, H] bf16 values
+    gamma: np.ndarray,  # [H] bf16 values: the post-attention norm's weight
+    weight: np.ndarray,  # [E, H] bf16 values: the router
+    bias: np.ndarray,  # [E]
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A MoE block's head as HF's gpt-oss computes it, float64 between its bf16 roundings:
+    h = bf16(residual + attn), xn = bf16(h / rms(h) * gamma), and the router's logits
+    xn W^T + b (unrounded; the model's bf16 Linear rounds them). Returns (h, xn, logits)."""
+    h = round_to_bf16((attn + residual).astype(np.float32)).astype(np.float64)
+    inv = 1.0 / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps)
+    xn = round_to_bf16((h * inv * gamma).astype(np.float32)).astype(np.float64)
+    return h, xn, xn @ weight.astype(np.float64).T + bias
+
+
 def moe(
     x: np.ndarray,  # [T, H]
     topk_ids: np.ndarray,  # [T, K]
