@@ -330,7 +330,8 @@ def _router_logits(kind: str, tokens: int, experts: int, rng) -> np.ndarray:
         x[:, 1::5] = -np.inf
         x[0, :] = np.nan
         x[0, [1, experts - 1]] = [0.5, 2.0]
-        x[1, :] = -np.inf
+        if tokens > 1:
+            x[1, :] = -np.inf
     return x
 
 
@@ -361,6 +362,72 @@ def test_router_topk(kind, tokens, experts, target: Target, router_model) -> Non
     if kind == "random":  # distinct logits: the same choice and weights as MAX's top_k + softmax
         np.testing.assert_array_equal(ids, max_ids)
         np.testing.assert_allclose(w, max_w, rtol=1e-5, atol=1e-7)
+
+
+# --- the top-k inside the experts' first op (ops.moe_mxfp4_routed) ----------------------------
+
+# tokens, experts, hidden, inter, logits kind: one-token cases take the GPU's single launch (lanes
+# holding 4 and 8 logits); the others its top-k launch + gate_up; "special" leaves fewer than k
+# choosable logits in some rows (ids -1, weight 0).
+ROUTED_CASES = [
+    (1, 8, 64, 64, "random"),
+    (1, 128, 64, 128, "random"),
+    (1, 256, 128, 64, "random"),
+    (1, 8, 64, 64, "special"),
+    (5, 32, 128, 64, "random"),
+    (12, 16, 64, 64, "special"),
+]
+
+
+@pytest.fixture(scope="module")
+def routed_model(target: Target):
+    from max.dtype import DType
+    from max.graph import TensorType
+    from max.graph import ops as gops
+
+    from gptoss_max.kernels import ops
+
+    dev = target.ref
+    u8, f32 = DType.uint8, DType.float32
+    types = [
+        TensorType(f32, ["T", "H"], dev),
+        TensorType(f32, ["T", "E"], dev),
+        TensorType(u8, ["E", "R", "Hb"], dev),
+        TensorType(u8, ["E", "R", "Hs"], dev),
+        TensorType(f32, ["E", "R"], dev),
+        TensorType(u8, ["E", "H", "Ib"], dev),
+        TensorType(u8, ["E", "H", "Is"], dev),
+        TensorType(f32, ["E", "H"], dev),
+    ]
+
+    def forward(x, logits, *weights):
+        bf = DType.bfloat16
+        out = ops.moe_mxfp4_routed(x, logits, ROUTER_K, *weights)
+        out_b = ops.moe_mxfp4_routed(gops.cast(x, bf), gops.cast(logits, bf), ROUTER_K, *weights)
+        return out, gops.cast(out_b, f32)
+
+    return target.compile("moe_mxfp4_routed", forward, types)
+
+
+@pytest.mark.parametrize("tokens, experts, hidden, inter, kind", ROUTED_CASES, ids=lambda v: str(v))
+def test_moe_mxfp4_routed(tokens, experts, hidden, inter, kind, target: Target, routed_model, record_property):
+    """Against the float64 experts on the routing _router_reference gives for the same logits."""
+    case = Case(f"routed_t{tokens}_e{experts}_{kind}", tokens, experts, ROUTER_K, hidden, inter)
+    x, _ids, _w, gate_up, gu_bias, down, down_bias = _make_inputs(case, seed=2)
+    logits = _router_logits(kind, tokens, experts, np.random.default_rng(tokens + experts))
+    gub, gus = mxfp4.encode(gate_up)
+    db, ds = mxfp4.encode(down)
+    gub = gub.reshape(*gus.shape[:-1], -1)
+    db = db.reshape(*ds.shape[:-1], -1)
+    q = (gub, gus, gu_bias, db, ds, down_bias)
+    gub_t, gus_t = mxfp4.tile_for_op(gub, gus)
+    db_t, ds_t = mxfp4.tile_for_op(db, ds)
+    out, out_b = target.run(routed_model, x, logits, gub_t, gus_t, gu_bias, db_t, ds_t, down_bias)
+    ids, w = _router_reference(logits, ROUTER_K)
+    _check(case, f"{target.name} routed/f32", out, reference.moe_mxfp4(x, ids, w, *q), F32_REL_TOL, record_property)
+    ids_b, w_b = _router_reference(reference.round_to_bf16(logits), ROUTER_K)
+    ref_b = reference.moe_mxfp4(reference.round_to_bf16(x), ids_b, w_b, *q)
+    _check(case, f"{target.name} routed/bf16", out_b, ref_b, BF16_REL_TOL, record_property)
 
 
 def test_router_topk_refuses_bad_k() -> None:

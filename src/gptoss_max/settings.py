@@ -69,8 +69,19 @@ def router_impl() -> str:
     return "fused" if value == "auto" else value
 
 
+def topk_impl() -> str:
+    """`GPTOSS_MAX_TOPK`: `auto` (= `experts`), `experts` or `op`; where an MXFP4 MoE block takes the
+    router's top-k. `experts`: inside the experts' first op (gptoss_moe_route_gate_up_mxfp4), which
+    on the GPU needs no launch of its own for a one-token step. `op`: our top-k op before the
+    experts. Same values either way. Read in the process that builds the graph."""
+    value = os.environ.get("GPTOSS_MAX_TOPK", "auto")
+    if value not in ("auto", "experts", "op"):
+        raise ValueError(f"GPTOSS_MAX_TOPK must be auto, experts or op, not {value!r}")
+    return "experts" if value == "auto" else value
+
+
 # The settings above that change what the model computes or how fast (data paths and keys do not).
-RUN_SETTINGS = ("GPTOSS_MAX_ATTENTION", "GPTOSS_MAX_MOE_PATH", "GPTOSS_MAX_ROUTER")
+RUN_SETTINGS = ("GPTOSS_MAX_ATTENTION", "GPTOSS_MAX_MOE_PATH", "GPTOSS_MAX_ROUTER", "GPTOSS_MAX_TOPK")
 
 
 def run_setting_env() -> list[str]:

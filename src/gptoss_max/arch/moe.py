@@ -41,6 +41,14 @@ class ExpertWeights(Module):
         self.gate_up_bias = w("gate_up_bias", DType.float32, [experts, 2 * inter])
         self.down_bias = w("down_bias", DType.float32, [experts, hidden])
 
+    def routed(self, x: TensorValue, logits: TensorValue, top_k: int) -> TensorValue:
+        """MXFP4 experts with the router's top-k inside their first op (moe_mxfp4_routed)."""
+        return moe_ops.moe_mxfp4_routed(
+            x, logits, top_k,
+            self.gate_up_blocks, self.gate_up_scales, self.gate_up_bias,
+            self.down_blocks, self.down_scales, self.down_bias, path=settings.moe_path(),
+        )  # fmt: skip
+
     def __call__(self, x: TensorValue, ids: TensorValue, weights: TensorValue) -> TensorValue:
         if self.mxfp4:
             return moe_ops.moe_mxfp4(
@@ -78,6 +86,8 @@ class NativeMoE(Module):
 
     def _experts_of(self, x: TensorValue, logits: TensorValue) -> TensorValue:
         """x [T, H] through the experts the router's logits [T, E] pick (top-k, softmax over k)."""
+        if self.experts.mxfp4 and settings.topk_impl() == "experts":
+            return self.experts.routed(x, logits, self.top_k)
         ids, weights = moe_ops.router_topk(logits, self.top_k)  # [T, K] int32, f32 softmaxed
         return self.experts(x, ids, weights)  # [T, H]
 

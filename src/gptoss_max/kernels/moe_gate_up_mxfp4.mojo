@@ -10,6 +10,95 @@ from .moe_prefill_gpu import launch_prefill_gate_up, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
 
 
+@always_inline
+def gate_up_element[
+    x_dtype: DType
+](
+    xp: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    bp: Pointer[UInt8, ImmutAnyOrigin],
+    sp: Pointer[UInt8, ImmutAnyOrigin],
+    biasp: Pointer[Float32, ImmutAnyOrigin],
+    n_experts: Int,
+    rows: Int,
+    hidden: Int,
+    top_k: Int,
+    t: Int,
+    k: Int,
+    i: Int,
+) -> Float32:
+    """CPU path: h[t, k, i] (0 for an id outside [0, E))."""
+    var e = Int(ids[unsafe_offset=t * top_k + k])
+    if e < 0 or e >= n_experts:
+        return 0
+    var xrow = xp.unsafe_offset(t * hidden)
+    var r = 2 * i
+    var gate_row = e * rows + r
+    var eb = bp.unsafe_offset(e * rows * (hidden // 2))
+    var es = sp.unsafe_offset(e * rows * (hidden // MXFP4_BLOCK))
+    var gate = mxfp4_tiled_row_dot(eb, es, r, xrow, hidden)
+    var up = mxfp4_tiled_row_dot(eb, es, r + 1, xrow, hidden)
+    return gptoss_swiglu(gate + biasp[unsafe_offset=gate_row], up + biasp[unsafe_offset=gate_row + 1])
+
+
+def gate_up_gpu[
+    x_dtype: DType
+](
+    ctx: DeviceContext,
+    hp: Pointer[Float32, MutAnyOrigin],
+    cp: Pointer[UInt32, MutAnyOrigin],
+    n_count: Int,
+    xp: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    bp: Pointer[UInt8, ImmutAnyOrigin],
+    sp: Pointer[UInt8, ImmutAnyOrigin],
+    biasp: Pointer[Float32, ImmutAnyOrigin],
+    tokens: Int,
+    top_k: Int,
+    n_experts: Int,
+    rows: Int,
+    hidden: Int,
+    path: Int,
+) raises:
+    """GPU path: the prefill grouped GEMM or the decode kernel (moe_gpu.mojo,
+    in chunks of CHUNK_TOKENS tokens), as `path` and the shapes choose."""
+    comptime if x_dtype == DType.bfloat16:
+        var cfg = prefill_choice(tokens, top_k, n_experts, hidden, rows // 2, path)
+        if cfg >= 0:
+            launch_prefill_gate_up(
+                ctx, cfg, hp, rebind[Pointer[BFloat16, ImmutAnyOrigin]](xp),
+                ids, bp, sp, biasp, tokens, top_k, n_experts, rows, hidden,
+            )
+            return
+    var t0 = 0
+    while t0 < tokens:
+        var tc = min(CHUNK_TOKENS, tokens - t0)
+        launch_gate_up[x_dtype](
+            ctx,
+            hp.unsafe_offset(t0 * top_k * (rows // 2)),
+            cp,
+            n_count,
+            xp.unsafe_offset(t0 * hidden),
+            ids.unsafe_offset(t0 * top_k),
+            bp,
+            sp,
+            biasp,
+            tc,
+            top_k,
+            n_experts,
+            rows,
+            hidden,
+        )
+        t0 += tc
+
+
+def check_gate_up(n_count: Int, rows: Int, hidden: Int, who: StaticString) raises:
+    if n_count != n_counters(hidden):
+        raise Error(String(who) + ": counters must be ceil(H / 8) long")
+    if rows % TILE_ROWS != 0 or hidden % (2 * MXFP4_BLOCK) != 0:
+        raise Error(String(who) + ": the tiled layout needs 2I % 16 == 0 and H % 64 == 0")
+
+
 @extensibility.register("gptoss_moe_gate_up_mxfp4")
 struct MoeGateUpMxfp4:
     """SwiGLU intermediate of each token's routed experts, MXFP4 weights.
@@ -57,42 +146,13 @@ struct MoeGateUpMxfp4:
         var hidden = x.dim_size[1]()
         var top_k = topk_ids.dim_size[1]()
         var n_count = counters.dim_size[0]()
-        if n_count != n_counters(hidden):
-            raise Error("gptoss_moe_gate_up_mxfp4: counters must be ceil(H / 8) long")
-        if rows % TILE_ROWS != 0 or hidden % (2 * MXFP4_BLOCK) != 0:
-            raise Error("gptoss_moe_gate_up_mxfp4: the tiled layout needs 2I % 16 == 0 and H % 64 == 0")
+        check_gate_up(n_count, rows, hidden, "gptoss_moe_gate_up_mxfp4")
 
         comptime if target == "gpu":
-            var tokens = x.dim_size[0]()
-            comptime if x.dtype == DType.bfloat16:
-                var cfg = prefill_choice(tokens, top_k, n_experts, hidden, rows // 2, Int(path))
-                if cfg >= 0:
-                    launch_prefill_gate_up(
-                        ctx, cfg, output.unsafe_ptr(), rebind[Pointer[BFloat16, ImmutAnyOrigin]](xp),
-                        ids, bp, sp, biasp, tokens, top_k, n_experts, rows, hidden,
-                    )
-                    return
-            var step = CHUNK_TOKENS
-            var t0 = 0
-            while t0 < tokens:
-                var tc = min(step, tokens - t0)
-                launch_gate_up[x.dtype](
-                    ctx,
-                    output.unsafe_ptr().unsafe_offset(t0 * top_k * (rows // 2)),
-                    counters.unsafe_ptr(),
-                    n_count,
-                    xp.unsafe_offset(t0 * hidden),
-                    ids.unsafe_offset(t0 * top_k),
-                    bp,
-                    sp,
-                    biasp,
-                    tc,
-                    top_k,
-                    n_experts,
-                    rows,
-                    hidden,
-                )
-                t0 += tc
+            gate_up_gpu[x.dtype](
+                ctx, output.unsafe_ptr(), counters.unsafe_ptr(), n_count, xp, ids, bp, sp, biasp,
+                x.dim_size[0](), top_k, n_experts, rows, hidden, Int(path),
+            )
             return
 
         var cp = counters.unsafe_ptr()
@@ -102,34 +162,12 @@ struct MoeGateUpMxfp4:
         def h_elem[
             width: Int
         ](idx: Coord) {
-            var xp,
-            var ids,
-            var bp,
-            var sp,
-            var biasp,
-            var n_experts,
-            var rows,
-            var hidden,
-            var top_k,
+            var xp, var ids, var bp, var sp, var biasp, var n_experts, var rows, var hidden, var top_k,
         } -> SIMD[DType.float32, width]:
             var i3 = coord_to_index_list(idx)
-            var t = i3[0]
-            var e = Int(ids[unsafe_offset=t * top_k + i3[1]])
             var res = SIMD[DType.float32, width](0)
-            if e < 0 or e >= n_experts:
-                return res
-            var xrow = xp.unsafe_offset(t * hidden)
             comptime for w in range(width):
-                var r = 2 * (i3[2] + w)
-                var gate_row = e * rows + r
-                var eb = bp.unsafe_offset(e * rows * (hidden // 2))
-                var es = sp.unsafe_offset(e * rows * (hidden // MXFP4_BLOCK))
-                var gate = mxfp4_tiled_row_dot(eb, es, r, xrow, hidden)
-                var up = mxfp4_tiled_row_dot(eb, es, r + 1, xrow, hidden)
-                res[w] = gptoss_swiglu(
-                    gate + biasp[unsafe_offset=gate_row],
-                    up + biasp[unsafe_offset=gate_row + 1],
-                )
+                res[w] = gate_up_element(xp, ids, bp, sp, biasp, n_experts, rows, hidden, top_k, i3[0], i3[1], i3[2] + w)
             return res
 
         foreach[target=target, simd_width=1](h_elem, output, ctx)

@@ -52,7 +52,7 @@ from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import byte_permute, threadfence
 from max.gpu.memory import AddressSpace, CacheEviction, async_copy, async_copy_commit_group, async_copy_wait_group, load
-from max.gpu.primitives.warp import shuffle_xor, vote
+from max.gpu.primitives.warp import shuffle_idx, shuffle_xor, vote
 from max.gpu.sync import syncwarp
 from std.atomic import Atomic
 from std.bit import pop_count, count_trailing_zeros
@@ -62,6 +62,7 @@ from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
+from .router_topk import warp_topk
 
 # Warps per block (a 16-row tile per warp, or per ksplit warps in down). For
 # 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share
@@ -471,13 +472,16 @@ def _tile_rows(
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(_min_blocks_per_sm(warps)))
 def gate_up_kernel[
-    x_dtype: DType, warps: Int, one_token: Bool
+    x_dtype: DType, warps: Int, one_token: Bool, route: Int = 0
 ](
     h: Pointer[Float32, MutAnyOrigin],
     counters: Pointer[UInt32, MutAnyOrigin],
     n_counters_: Int64,
     x: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
+    logits: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
+    ids_out: Pointer[Int32, MutAnyOrigin],
+    wts_out: Pointer[Float32, MutAnyOrigin],
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
@@ -489,7 +493,11 @@ def gate_up_kernel[
 ):
     """rows = 2I (gate/up interleaved), h [pairs, I] f32. one_token: the step
     has one token, so grid slot k serves pair k (expert ids[k]) without the
-    warp-wide routing (a repeated expert is then read once per pair)."""
+    warp-wide routing (a repeated expert is then read once per pair).
+    route > 0 (one token only): the step's routing is not given; every warp
+    takes the top_k of the router's logits [E] itself (router_topk.warp_topk,
+    E <= 32 * route) and block (0, 0) writes them to ids_out / wts_out for
+    down; `ids` is then unused."""
     var n_counters = Int(n_counters_)
     var n_pairs = Int(n_pairs_)
     var top_k = Int(top_k_)
@@ -509,7 +517,14 @@ def gate_up_kernel[
     var e: Int
     var npairs_e: Int
     comptime if one_token:
-        e = Int(ids[unsafe_offset=Int(block_idx.y)])
+        comptime if route > 0:
+            var mine = warp_topk[x_dtype, route](logits, n_experts, top_k)
+            if block_idx.x == 0 and block_idx.y == 0 and warp_id() == 0 and Int(lane_id()) < top_k:
+                ids_out[unsafe_offset=Int(lane_id())] = mine[0]
+                wts_out[unsafe_offset=Int(lane_id())] = mine[1]
+            e = Int(shuffle_idx(mine[0], UInt32(block_idx.y)))
+        else:
+            e = Int(ids[unsafe_offset=Int(block_idx.y)])
         if e < 0 or e >= n_experts:
             return
         npairs_e = 1
@@ -835,7 +850,7 @@ def n_counters(hidden: Int) -> Int:
 
 
 def _launch_gate_up[
-    x_dtype: DType, warps: Int, one_token: Bool
+    x_dtype: DType, warps: Int, one_token: Bool, route: Int = 0
 ](
     ctx: DeviceContext,
     h: Pointer[Float32, MutAnyOrigin],
@@ -843,6 +858,9 @@ def _launch_gate_up[
     n_count: Int,
     x: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
+    logits: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
+    ids_out: Pointer[Int32, MutAnyOrigin],
+    wts_out: Pointer[Float32, MutAnyOrigin],
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
@@ -853,8 +871,8 @@ def _launch_gate_up[
     hidden: Int,
 ) raises:
     var n_pairs = tokens * top_k
-    ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token]](
-        h, counters, Int64(n_count), x, ids, blocks, scales, bias,
+    ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token, route]](
+        h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + warps * 16 - 1) // (warps * 16), n_pairs if one_token else min(n_experts, n_pairs)),
         block_dim=warps * 32,
@@ -884,18 +902,55 @@ def launch_gate_up[
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
     if tokens == 1:
         _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True](
-            ctx, h, counters, n_count, x, ids, blocks, scales, bias,
+            ctx, h, counters, n_count, x, ids, x, ids.unsafe_mut_cast[True](), h, blocks, scales, bias,
             tokens, top_k, n_experts, rows, hidden,
         )
     elif tokens <= FEW_TOKENS:
         _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, False](
-            ctx, h, counters, n_count, x, ids, blocks, scales, bias,
+            ctx, h, counters, n_count, x, ids, x, ids.unsafe_mut_cast[True](), h, blocks, scales, bias,
             tokens, top_k, n_experts, rows, hidden,
         )
     else:
         _launch_gate_up[x_dtype, WARPS_MANY, False](
-            ctx, h, counters, n_count, x, ids, blocks, scales, bias,
+            ctx, h, counters, n_count, x, ids, x, ids.unsafe_mut_cast[True](), h, blocks, scales, bias,
             tokens, top_k, n_experts, rows, hidden,
+        )
+
+
+def launch_route_gate_up[
+    x_dtype: DType
+](
+    ctx: DeviceContext,
+    h: Pointer[Float32, MutAnyOrigin],
+    counters: Pointer[UInt32, MutAnyOrigin],
+    n_count: Int,
+    x: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
+    logits: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
+    ids_out: Pointer[Int32, MutAnyOrigin],
+    wts_out: Pointer[Float32, MutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k: Int,
+    n_experts: Int,
+    rows: Int,
+    hidden: Int,
+) raises:
+    """gate_up of a one-token step that also takes the router's top-k
+    (E <= 256, K <= 32; writes ids_out [K], wts_out [K]); also zeroes the
+    counters."""
+    if top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
+        raise Error("gptoss MoE GPU path: needs top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
+    var ids = ids_out.unsafe_mut_cast[False]().unsafe_origin_cast[ImmutAnyOrigin]()
+    if n_experts <= 128:
+        _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True, 4](
+            ctx, h, counters, n_count, x, ids, logits, ids_out, wts_out, blocks, scales, bias,
+            1, top_k, n_experts, rows, hidden,
+        )
+    else:
+        _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True, 8](
+            ctx, h, counters, n_count, x, ids, logits, ids_out, wts_out, blocks, scales, bias,
+            1, top_k, n_experts, rows, hidden,
         )
 
 

@@ -59,12 +59,13 @@ def _routing(x: TensorValue, topk_ids: TensorValue, topk_weights: TensorValue) -
 def _run_moe(
     kind: str,
     x: TensorValue,
-    topk_ids: TensorValue,
-    topk_weights: TensorValue,
+    topk_ids: TensorValue | TensorType,
+    topk_weights: TensorValue | TensorType,
     gate_up: list[TensorValue],
     down: list[TensorValue],
     intermediate: Dim,
     path: int | TensorValue = PATH_AUTO,
+    logits: TensorValue | None = None,
 ) -> TensorValue:
     _load_kernels()
     tokens, top_k = topk_ids.shape
@@ -80,9 +81,22 @@ def _run_moe(
     hidden = x.shape[1]
     counters_type = TensorType(DType.uint32, [counter_count(hidden)], x.device)
     path_value = ops.constant(path, DType.int32, device=DeviceRef.CPU()) if isinstance(path, int) else path
-    h, counters = ops.custom(
-        "gptoss_moe_gate_up_mxfp4", x.device, [x, topk_ids, *gate_up, path_value], [h_type, counters_type]
-    )
+    if logits is None:
+        h, counters = ops.custom(
+            "gptoss_moe_gate_up_mxfp4", x.device, [x, topk_ids, *gate_up, path_value], [h_type, counters_type]
+        )
+    else:  # the routing comes out of gate_up; topk_ids only gave its shape
+        h, counters, topk_ids, topk_weights = ops.custom(
+            "gptoss_moe_route_gate_up_mxfp4",
+            x.device,
+            [x, logits, *gate_up, path_value],
+            [
+                h_type,
+                counters_type,
+                TensorType(DType.int32, [tokens, top_k], x.device),
+                TensorType(DType.float32, [tokens, top_k], x.device),
+            ],
+        )
     out, _partial = ops.custom(
         "gptoss_moe_down_mxfp4",
         x.device,
@@ -117,6 +131,56 @@ def moe_mxfp4(
     On the GPU, `path` (PATH_AUTO by default) picks the decode kernel or the
     prefill grouped GEMM; the CPU ignores it."""
     topk_ids, topk_weights = _routing(x, topk_ids, topk_weights)
+    return _mxfp4_experts(
+        x, topk_ids, topk_weights, gate_up_blocks, gate_up_scales, gate_up_bias,
+        down_blocks, down_scales, down_bias, path, None,
+    )  # fmt: skip
+
+
+def moe_mxfp4_routed(
+    x: TensorValue,  # [T, H] bf16 | f32
+    logits: TensorValue,  # [T, E] x.dtype: the router's output
+    top_k: int,
+    gate_up_blocks: TensorValue,
+    gate_up_scales: TensorValue,
+    gate_up_bias: TensorValue,
+    down_blocks: TensorValue,
+    down_scales: TensorValue,
+    down_bias: TensorValue,
+    path: int | TensorValue = PATH_AUTO,
+) -> TensorValue:  # [T, H] x.dtype
+    """`moe_mxfp4(x, *router_topk(logits, top_k), ...)` with the top-k inside the experts' first op
+    (gptoss_moe_route_gate_up_mxfp4): on the GPU a one-token step then has no top-k launch of its
+    own. Same values as the two ops (tests/test_moe_op.py)."""
+    if logits.dtype != x.dtype or logits.rank != 2:
+        raise TypeError(f"logits must be a rank-2 {x.dtype} tensor, got {logits.dtype} rank {logits.rank}")
+    _check_dim("logits experts", logits.shape[1], gate_up_blocks.shape[0])
+    _check_router(logits.shape[1], top_k)
+    tokens = x.shape[0]
+    # placeholders that carry the routing's types into _run_moe (never computed)
+    ids_type = TensorType(DType.int32, [tokens, top_k], x.device)
+    wts_type = TensorType(DType.float32, [tokens, top_k], x.device)
+    return _mxfp4_experts(
+        x, ids_type, wts_type, gate_up_blocks, gate_up_scales, gate_up_bias,
+        down_blocks, down_scales, down_bias, path, logits,
+    )  # fmt: skip
+
+
+def _mxfp4_experts(
+    x: TensorValue,
+    topk_ids: TensorValue | TensorType,
+    topk_weights: TensorValue | TensorType,
+    gate_up_blocks: TensorValue,
+    gate_up_scales: TensorValue,
+    gate_up_bias: TensorValue,
+    down_blocks: TensorValue,
+    down_scales: TensorValue,
+    down_bias: TensorValue,
+    path: int | TensorValue,
+    logits: TensorValue | None,
+) -> TensorValue:
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
     n_experts, rows, half_h = gate_up_blocks.shape
     _check_dim("gate_up_blocks last dim", half_h * 2, x.shape[1])
     _check_dim("gate_up_scales", gate_up_scales.shape[2] * 32, x.shape[1])
@@ -136,6 +200,7 @@ def moe_mxfp4(
         [down_blocks, down_scales, _as(down_bias, DType.float32)],
         down_blocks.shape[2] * 2,
         path,
+        logits,
     )
 
 
@@ -168,6 +233,14 @@ ROUTER_MAX_EXPERTS = 256  # router_topk.mojo
 ROUTER_MAX_K = 32
 
 
+def _check_router(n_experts: Dim, k: int) -> None:
+    """The top-k's bounds (router_topk.mojo), where E is static."""
+    if isinstance(n_experts, StaticDim) and not (1 <= k <= min(int(n_experts), ROUTER_MAX_K)):
+        raise ValueError(f"k must be in [1, min(E, {ROUTER_MAX_K})], got k={k} with E={int(n_experts)}")
+    if isinstance(n_experts, StaticDim) and int(n_experts) > ROUTER_MAX_EXPERTS:
+        raise ValueError(f"router_topk takes at most {ROUTER_MAX_EXPERTS} experts, got {int(n_experts)}")
+
+
 def router_topk(logits: TensorValue, k: int) -> tuple[TensorValue, TensorValue]:
     """`logits [T, E]` (bf16 | f32, the router's output) -> (`ids [T, k]` int32, best first;
     `weights [T, k]` f32, the softmax over those k logits), in one op (router_topk.mojo). Ties go
@@ -175,11 +248,7 @@ def router_topk(logits: TensorValue, k: int) -> tuple[TensorValue, TensorValue]:
     left)."""
     if logits.dtype not in ACTIVATION_DTYPES or logits.rank != 2:
         raise TypeError(f"logits must be a rank-2 float32 or bfloat16 tensor, got {logits.dtype} rank {logits.rank}")
-    n_experts = logits.shape[1]
-    if isinstance(n_experts, StaticDim) and not (1 <= k <= min(int(n_experts), ROUTER_MAX_K)):
-        raise ValueError(f"k must be in [1, min(E, {ROUTER_MAX_K})], got k={k} with E={int(n_experts)}")
-    if isinstance(n_experts, StaticDim) and int(n_experts) > ROUTER_MAX_EXPERTS:
-        raise ValueError(f"router_topk takes at most {ROUTER_MAX_EXPERTS} experts, got {int(n_experts)}")
+    _check_router(logits.shape[1], k)
     _load_kernels()
     tokens = logits.shape[0]
     ids, weights = ops.custom(

@@ -42,25 +42,14 @@ def _softmax_term(v: Float32, vmax: Float32) -> Float32:
     return Float32(1.0) if v == vmax else exp(v - vmax)
 
 
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(ROUTER_WARPS * 32)))
-def router_topk_kernel[
+@always_inline
+def warp_topk[
     in_dtype: DType, per_lane: Int
-](
-    ids: Pointer[Int32, MutAnyOrigin],
-    weights: Pointer[Float32, MutAnyOrigin],
-    logits: Pointer[Scalar[in_dtype], ImmutAnyOrigin],
-    tokens_: Int64,
-    n_experts_: Int64,
-    top_k_: Int64,
-):
-    var tokens = Int(tokens_)
-    var n_experts = Int(n_experts_)
-    var top_k = Int(top_k_)
-    var t = Int(block_idx.x) * ROUTER_WARPS + Int(warp_id())
-    if t >= tokens:
-        return
+](row: Pointer[Scalar[in_dtype], _], n_experts: Int, top_k: Int) -> Tuple[Int32, Float32]:
+    """Warp-wide: the top_k of one token's logits `row` [n_experts] (E <= 32 *
+    per_lane). Lane k < top_k gets the k-th choice and its softmaxed weight
+    ((-1, 0) when fewer than k are choosable); other lanes get (-1, 0)."""
     var lane = Int(lane_id())
-    var row = logits.unsafe_offset(t * n_experts)
     var v = Array[Float32, per_lane](fill=0)
     var free = Array[Bool, per_lane](fill=False)
     comptime for j in range(per_lane):
@@ -102,9 +91,33 @@ def router_topk_kernel[
     var total = p
     comptime for s in range(5):
         total += shuffle_xor(total, UInt32(16 >> s))
+    if mine_i == _NONE or lane >= top_k:
+        return (Int32(-1), Float32(0))
+    return (Int32(mine_i), p / total if total > 0 else Float32(0))
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(ROUTER_WARPS * 32)))
+def router_topk_kernel[
+    in_dtype: DType, per_lane: Int
+](
+    ids: Pointer[Int32, MutAnyOrigin],
+    weights: Pointer[Float32, MutAnyOrigin],
+    logits: Pointer[Scalar[in_dtype], ImmutAnyOrigin],
+    tokens_: Int64,
+    n_experts_: Int64,
+    top_k_: Int64,
+):
+    var tokens = Int(tokens_)
+    var n_experts = Int(n_experts_)
+    var top_k = Int(top_k_)
+    var t = Int(block_idx.x) * ROUTER_WARPS + Int(warp_id())
+    if t >= tokens:
+        return
+    var lane = Int(lane_id())
+    var mine = warp_topk[in_dtype, per_lane](logits.unsafe_offset(t * n_experts), n_experts, top_k)
     if lane < top_k:
-        ids[unsafe_offset=t * top_k + lane] = Int32(-1) if mine_i == _NONE else Int32(mine_i)
-        weights[unsafe_offset=t * top_k + lane] = p / total if total > 0 else Float32(0)
+        ids[unsafe_offset=t * top_k + lane] = mine[0]
+        weights[unsafe_offset=t * top_k + lane] = mine[1]
 
 
 def _launch[
@@ -130,6 +143,76 @@ def _launch[
     )
 
 
+def check_topk(n_experts: Int, top_k: Int, who: StaticString) raises:
+    if n_experts > ROUTER_MAX_EXPERTS or top_k > min(n_experts, ROUTER_MAX_K) or top_k < 1:
+        raise Error(String(who) + ": needs 1 <= K <= min(E, 32) and E <= 256")
+
+
+def router_topk[
+    target: StaticString, in_dtype: DType
+](
+    idp: Pointer[Int32, MutAnyOrigin],
+    wp: Pointer[Float32, MutAnyOrigin],
+    lp: Pointer[Scalar[in_dtype], ImmutAnyOrigin],
+    tokens: Int,
+    n_experts: Int,
+    top_k: Int,
+    ctx: DeviceContext,
+) raises:
+    """ids [T, K], weights [T, K] from logits [T, E] (the rule above) on
+    `target`; E, K as check_topk allows."""
+    if tokens == 0:
+        return
+    comptime if target == "gpu":
+        if n_experts <= 32:
+            _launch[in_dtype, 1](ctx, idp, wp, lp, tokens, n_experts, top_k)
+        elif n_experts <= 64:
+            _launch[in_dtype, 2](ctx, idp, wp, lp, tokens, n_experts, top_k)
+        elif n_experts <= 128:
+            _launch[in_dtype, 4](ctx, idp, wp, lp, tokens, n_experts, top_k)
+        else:
+            _launch[in_dtype, 8](ctx, idp, wp, lp, tokens, n_experts, top_k)
+        return
+
+    def route_token[
+        width: Int, alignment: Int = 1
+    ](idx: Coord) {var idp, var wp, var lp, var n_experts, var top_k}:
+        var t = coord_to_index_list(idx)[0]
+        var row = lp.unsafe_offset(t * n_experts)
+        var taken = Array[Bool, ROUTER_MAX_EXPERTS](fill=False)
+        var vmax = Float32(0)
+        var chosen = Array[Float32, ROUTER_MAX_K](fill=0)
+        var total = Float32(0)
+        var found = 0
+        for k in range(top_k):
+            var bv = Float32(0)
+            var bi = _NONE
+            for e in range(n_experts):
+                var x = row[unsafe_offset=e].cast[DType.float32]()
+                if taken[e] or x != x:
+                    continue
+                if bi == _NONE or _before(x, UInt32(e), bv, bi):
+                    bv = x
+                    bi = UInt32(e)
+            if bi == _NONE:
+                break
+            taken[Int(bi)] = True
+            if k == 0:
+                vmax = bv
+            chosen[k] = _softmax_term(bv, vmax)
+            total += chosen[k]
+            idp[unsafe_offset=t * top_k + k] = Int32(bi)
+            found = k + 1
+        for k in range(top_k):
+            if k >= found:
+                idp[unsafe_offset=t * top_k + k] = Int32(-1)
+                wp[unsafe_offset=t * top_k + k] = Float32(0)
+            else:
+                wp[unsafe_offset=t * top_k + k] = chosen[k] / total
+
+    elementwise[simd_width=1, target=target](route_token, Coord(tokens), ctx)
+
+
 @extensibility.register("gptoss_router_topk")
 struct RouterTopK:
     """Top-k experts of each token and their softmaxed weights.
@@ -150,62 +233,9 @@ struct RouterTopK:
         logits: InputTensor[rank=2, ...],
         ctx: DeviceContext,
     ) raises:
-        var tokens = logits.dim_size[0]()
         var n_experts = logits.dim_size[1]()
         var top_k = ids.dim_size[1]()
-        if n_experts > ROUTER_MAX_EXPERTS or top_k > min(n_experts, ROUTER_MAX_K) or top_k < 1:
-            raise Error("gptoss_router_topk: needs 1 <= K <= min(E, 32) and E <= 256")
-        if tokens == 0:
-            return
-        var idp = ids.unsafe_ptr()
-        var wp = weights.unsafe_ptr()
-        var lp = logits.unsafe_ptr()
-
-        comptime if target == "gpu":
-            if n_experts <= 32:
-                _launch[logits.dtype, 1](ctx, idp, wp, lp, tokens, n_experts, top_k)
-            elif n_experts <= 64:
-                _launch[logits.dtype, 2](ctx, idp, wp, lp, tokens, n_experts, top_k)
-            elif n_experts <= 128:
-                _launch[logits.dtype, 4](ctx, idp, wp, lp, tokens, n_experts, top_k)
-            else:
-                _launch[logits.dtype, 8](ctx, idp, wp, lp, tokens, n_experts, top_k)
-            return
-
-        def route_token[
-            width: Int, alignment: Int = 1
-        ](idx: Coord) {var idp, var wp, var lp, var n_experts, var top_k}:
-            var t = coord_to_index_list(idx)[0]
-            var row = lp.unsafe_offset(t * n_experts)
-            var taken = Array[Bool, ROUTER_MAX_EXPERTS](fill=False)
-            var vmax = Float32(0)
-            var chosen = Array[Float32, ROUTER_MAX_K](fill=0)
-            var total = Float32(0)
-            var found = 0
-            for k in range(top_k):
-                var bv = Float32(0)
-                var bi = _NONE
-                for e in range(n_experts):
-                    var x = row[unsafe_offset=e].cast[DType.float32]()
-                    if taken[e] or x != x:
-                        continue
-                    if bi == _NONE or _before(x, UInt32(e), bv, bi):
-                        bv = x
-                        bi = UInt32(e)
-                if bi == _NONE:
-                    break
-                taken[Int(bi)] = True
-                if k == 0:
-                    vmax = bv
-                chosen[k] = _softmax_term(bv, vmax)
-                total += chosen[k]
-                idp[unsafe_offset=t * top_k + k] = Int32(bi)
-                found = k + 1
-            for k in range(top_k):
-                if k >= found:
-                    idp[unsafe_offset=t * top_k + k] = Int32(-1)
-                    wp[unsafe_offset=t * top_k + k] = Float32(0)
-                else:
-                    wp[unsafe_offset=t * top_k + k] = chosen[k] / total
-
-        elementwise[simd_width=1, target=target](route_token, Coord(tokens), ctx)
+        check_topk(n_experts, top_k, "gptoss_router_topk")
+        router_topk[target, logits.dtype](
+            ids.unsafe_ptr(), weights.unsafe_ptr(), logits.unsafe_ptr(), logits.dim_size[0](), n_experts, top_k, ctx
+        )
