@@ -295,7 +295,10 @@ def finish(path: Path, failures: list[str]) -> int:
 
 def result_header(script: str, argv: list[str] | None, gpu: GpuRun, copy_tb_s: float) -> dict:
     """The fields every result file here starts with."""
-    cmd = f"python3 {script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    from gptoss_max import settings
+
+    # the run-changing GPTOSS_MAX_* settings of this process lead the command, as set
+    cmd = " ".join([*settings.run_setting_env(), f"python3 {script}", *(sys.argv[1:] if argv is None else argv)])
     return {"device": gpu.gpu_name, "date": gpu.today.isoformat(), "command": cmd.strip(),
             "max_version": version_of("max"), "copy_tb_s": round(copy_tb_s, 3)}  # fmt: skip
 

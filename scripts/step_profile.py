@@ -534,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
         "attention": settings.attention_impl(),
         "moe_path": os.environ.get("GPTOSS_MAX_MOE_PATH", "auto"),
         "router": settings.router_impl(),
+        "topk": settings.topk_impl(),
         "layers": n_layers,
         "step_assignment": method,
         "kernel_events": len(events),

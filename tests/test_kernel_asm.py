@@ -23,14 +23,18 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",
+        "moe_gpu.gate_up_kernel[DType.bfloat16, 2, True, 4]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8 = ptx.values()
+    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed = ptx.values()
     assert ".entry" in gemv and "cp.async" in gemv and "shfl.sync.bfly" in gemv
     # the fused router: its row's loads, one block reduction of the norm, an approximate rsqrt
     assert ".entry" in router and "bar.sync" in router and "rsqrt.approx" in router
-    for k in (gate_up1, gate_up, down1):
+    # the one-token gate_up that takes the top-k itself: warp argmax rounds by butterfly shuffles,
+    # the winner of its slot by an indexed shuffle, then the same tensor-core loop
+    assert routed.count("shfl.sync.bfly") > gate_up1.count("shfl.sync.bfly") and "shfl.sync.idx" in routed
+    for k in (gate_up1, gate_up, down1, routed):
         assert ".target sm_90a" in k and ".entry" in k
         assert "mma.sync.aligned.m16n8k16" in k  # tensor cores
     # one-token kernels prefetch their bias by cp.async; the general gate_up does not (v12c:
