@@ -131,10 +131,8 @@ def moe_mxfp4(
     On the GPU, `path` (PATH_AUTO by default) picks the decode kernel or the
     prefill grouped GEMM; the CPU ignores it."""
     topk_ids, topk_weights = _routing(x, topk_ids, topk_weights)
-    return _mxfp4_experts(
-        x, topk_ids, topk_weights, gate_up_blocks, gate_up_scales, gate_up_bias,
-        down_blocks, down_scales, down_bias, path, None,
-    )  # fmt: skip
+    experts = (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias)
+    return _mxfp4_experts(x, topk_ids, topk_weights, experts, path, None)
 
 
 def moe_mxfp4_routed(
@@ -160,25 +158,19 @@ def moe_mxfp4_routed(
     # placeholders that carry the routing's types into _run_moe (never computed)
     ids_type = TensorType(DType.int32, [tokens, top_k], x.device)
     wts_type = TensorType(DType.float32, [tokens, top_k], x.device)
-    return _mxfp4_experts(
-        x, ids_type, wts_type, gate_up_blocks, gate_up_scales, gate_up_bias,
-        down_blocks, down_scales, down_bias, path, logits,
-    )  # fmt: skip
+    experts = (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias)
+    return _mxfp4_experts(x, ids_type, wts_type, experts, path, logits)
 
 
 def _mxfp4_experts(
     x: TensorValue,
     topk_ids: TensorValue | TensorType,
     topk_weights: TensorValue | TensorType,
-    gate_up_blocks: TensorValue,
-    gate_up_scales: TensorValue,
-    gate_up_bias: TensorValue,
-    down_blocks: TensorValue,
-    down_scales: TensorValue,
-    down_bias: TensorValue,
+    experts: tuple[TensorValue, ...],  # moe_mxfp4's six expert tensors, in its order
     path: int | TensorValue,
     logits: TensorValue | None,
 ) -> TensorValue:
+    gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = experts
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
     n_experts, rows, half_h = gate_up_blocks.shape
