@@ -24,10 +24,11 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",
         "moe_gpu.gate_up_kernel[DType.bfloat16, 2, True, 4]",
+        "attention_gpu.attention_tc_kernel[DType.bfloat16, 4, True, DType.bfloat16]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed = ptx.values()
+    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope = ptx.values()
     assert ".entry" in gemv and "cp.async" in gemv and "shfl.sync.bfly" in gemv
     # the fused router: its row's loads, one block reduction of the norm, an approximate rsqrt
     assert ".entry" in router and "bar.sync" in router and "rsqrt.approx" in router
@@ -46,7 +47,11 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     # the merge broadcasts each split's weight from the lane that read it: one shuffle per split
     assert merge.count("shfl.sync.idx") == 16
     # the block's warp-merge buffer (TC_HEADS x 64 f32 per warp) follows the warps per block
-    for tc, warps in ((tc4, 4), (tc8, 8)):
+    # RoPE inside attention: q's and the new key's partner halves come from lane ^ 2, and the
+    # kernel writes the new K/V rows into the cache (the plain kernel stores only its output)
+    assert tc_rope.count("shfl.sync.bfly") > tc4.count("shfl.sync.bfly")
+    assert tc_rope.count("st.global") > tc4.count("st.global")
+    for tc, warps in ((tc4, 4), (tc8, 8), (tc_rope, 4)):
         assert "mma.sync.aligned.m16n8k16" in tc
         assert f"_gpu_shared_mem[{warps * 8 * 64 * 4}]" in tc
 

@@ -80,8 +80,26 @@ def topk_impl() -> str:
     return "experts" if value == "auto" else value
 
 
+def rope_impl() -> str:
+    """`GPTOSS_MAX_ROPE`: `auto` (= `fused`), `fused` or `max`; where a step that runs our attention op
+    applies RoPE and stores its K/V. `fused`: inside our op (gptoss_attention_rope_sinks), which on
+    the GPU is one launch for a pure decode step. `max`: MAX's rope_split_store_ragged before our
+    op. Steps given to MAX's attention (`GPTOSS_MAX_ATTENTION`) always use MAX's. Same values either
+    way up to f32 rounding order. Read in the process that builds the graph."""
+    value = os.environ.get("GPTOSS_MAX_ROPE", "auto")
+    if value not in ("auto", "fused", "max"):
+        raise ValueError(f"GPTOSS_MAX_ROPE must be auto, fused or max, not {value!r}")
+    return "fused" if value == "auto" else value
+
+
 # The settings above that change what the model computes or how fast (data paths and keys do not).
-RUN_SETTINGS = ("GPTOSS_MAX_ATTENTION", "GPTOSS_MAX_MOE_PATH", "GPTOSS_MAX_ROUTER", "GPTOSS_MAX_TOPK")
+RUN_SETTINGS = (
+    "GPTOSS_MAX_ATTENTION",
+    "GPTOSS_MAX_MOE_PATH",
+    "GPTOSS_MAX_ROPE",
+    "GPTOSS_MAX_ROUTER",
+    "GPTOSS_MAX_TOPK",
+)
 
 
 def run_setting_env() -> list[str]:

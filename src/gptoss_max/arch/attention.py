@@ -9,7 +9,7 @@ from max.nn.attention import MHAMaskVariant
 from max.nn.kernels import flash_attention_ragged, rope_split_store_ragged
 from max.nn.kv_cache import PagedCacheValues
 
-from gptoss_max import maxapi
+from gptoss_max import maxapi, settings
 from gptoss_max.kernels import ops as kernel_ops
 
 
@@ -23,32 +23,41 @@ class SinkAttention(maxapi.GptOssAttention):
         offsets = kwargs["input_row_offsets"]
         qkv = self.qkv_proj(x)  # [T, (nh + 2 kvh) * d]
         freqs_cis = ops.cast(self.rope.freqs_cis, qkv.dtype).to(qkv.device)
-        xq = rope_split_store_ragged(
-            kv_params=self.kv_params,
-            qkv=qkv,
-            input_row_offsets=offsets,
-            freqs_cis=freqs_cis,
-            kv_collection=kv_collection,
-            layer_idx=layer_idx,
-            n_heads=self.n_heads,
-            interleaved=self.rope.interleaved,
-        )
-        xq = xq.reshape((-1, self.n_heads, self.kv_params.head_dim))  # [T, nh, d]
+        head_dim = self.kv_params.head_dim
         sliding = self.layer_type == "sliding_attention"
+        window = self.local_window_size if sliding else None
         # Materialized here, outside both branches: a weight first used inside one branch of
         # ops.cond is defined in that region and does not dominate its use in the other.
         sinks = TensorValue(self.sinks)
 
-        def ours() -> TensorValue:
-            window = self.local_window_size if sliding else None
-            return kernel_ops.attention_with_sinks(
-                xq, kv_collection, layer_idx, offsets, sinks, self.scale, window
+        def stored_q() -> TensorValue:  # MAX's RoPE + this step's K/V store; the roped q
+            xq = rope_split_store_ragged(
+                kv_params=self.kv_params,
+                qkv=qkv,
+                input_row_offsets=offsets,
+                freqs_cis=freqs_cis,
+                kv_collection=kv_collection,
+                layer_idx=layer_idx,
+                n_heads=self.n_heads,
+                interleaved=self.rope.interleaved,
             )
+            return xq.reshape((-1, self.n_heads, head_dim))  # [T, nh, d]
+
+        # Our op applies RoPE and stores K/V itself (rotate-half tables only, as gpt-oss's).
+        fused = settings.rope_impl() == "fused" and not self.rope.interleaved
+        xq = None if fused else stored_q()
+
+        def ours() -> TensorValue:
+            if xq is None:
+                return kernel_ops.attention_rope_with_sinks(
+                    qkv, freqs_cis, kv_collection, layer_idx, offsets, sinks, self.n_heads, self.scale, window
+                )
+            return kernel_ops.attention_with_sinks(xq, kv_collection, layer_idx, offsets, sinks, self.scale, window)
 
         def theirs() -> TensorValue:
             return flash_attention_ragged(
                 self.kv_params,
-                input=xq,
+                input=stored_q() if xq is None else xq,
                 kv_collection=kv_collection,
                 layer_idx=layer_idx,
                 input_row_offsets=offsets,
@@ -63,7 +72,8 @@ class SinkAttention(maxapi.GptOssAttention):
             # prefill path, which agrees with the reference (docs/GPU.md, bench/attention.py).
             prompt = ops.reshape(kv_collection.max_prompt_length, [])
             has_chunk = ops.greater(prompt, ops.constant(1, prompt.dtype, device=prompt.device))
-            attn = ops.cond(has_chunk, [TensorType(xq.dtype, xq.shape, xq.device)], theirs, ours)[0]
+            out_type = TensorType(qkv.dtype, [qkv.shape[0], self.n_heads, head_dim], qkv.device)
+            attn = ops.cond(has_chunk, [out_type], theirs, ours)[0]
         else:
             attn = ours()
         return self.o_proj(ops.reshape(attn, shape=[x.shape[0], -1]))

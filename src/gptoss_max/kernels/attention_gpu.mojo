@@ -78,17 +78,13 @@ def _warp_sum(v: Float32) -> Float32:
 
 
 @always_inline
-def _key_range(
+def _row_pos(
     offs: Pointer[UInt32, ImmutAnyOrigin],
     lens: Pointer[UInt32, ImmutAnyOrigin],
     batch: Int,
     t: Int,
-    win: Int,
-    splits: Int,
-    s: Int,
-) -> Tuple[Int, Int, Int]:
-    """(sequence b of row t, first key j0, end j1) of split s of row t's key
-    range [first, pos]: the range cut into `splits` equal stripes."""
+) -> Tuple[Int, Int]:
+    """(sequence b of row t, row t's position p = cache_lengths[b] + t - offs[b])."""
     var lo = 0
     var hi = batch
     while hi - lo > 1:
@@ -97,11 +93,28 @@ def _key_range(
             lo = mid
         else:
             hi = mid
-    var pos = Int(lens[unsafe_offset=lo]) + t - Int(offs[unsafe_offset=lo])
+    return (lo, Int(lens[unsafe_offset=lo]) + t - Int(offs[unsafe_offset=lo]))
+
+
+@always_inline
+def _key_range(
+    offs: Pointer[UInt32, ImmutAnyOrigin],
+    lens: Pointer[UInt32, ImmutAnyOrigin],
+    batch: Int,
+    t: Int,
+    win: Int,
+    splits: Int,
+    s: Int,
+) -> Tuple[Int, Int, Int, Int]:
+    """(sequence b of row t, first key j0, end j1, row t's position) of split
+    s of row t's key range [first, pos]: the range cut into `splits` equal
+    stripes."""
+    var bp = _row_pos(offs, lens, batch, t)
+    var pos = bp[1]
     var first = max(pos - win + 1, 0) if win > 0 else 0
     var stripe = (pos + 1 - first + splits - 1) // splits
     var j0 = first + s * stripe
-    return (lo, j0, min(j0 + stripe, pos + 1))
+    return (bp[0], j0, min(j0 + stripe, pos + 1), pos)
 
 
 @always_inline
@@ -265,8 +278,27 @@ def _pack_bf16(a: Float32, b: Float32) -> UInt32:
     return bitcast[DType.uint32, 1](SIMD[DType.float32, 2](a, b).cast[DType.bfloat16]())
 
 
+@always_inline
+def _rope16[
+    fdtype: DType
+](own: SIMD[DType.uint32, 8], cs: SIMD[fdtype, 32], first_half: Bool) -> SIMD[DType.uint32, 8]:
+    """RoPE (rotate-half pairing) of 16 contiguous bf16 dims of a 64-dim head
+    row, whose partners (d + 32 or d - 32) are held by lane ^ 2; cs holds the
+    (cos, sin) pairs of those 16 frequencies. Computed in f32, rounded once to
+    bf16. Every lane of the warp must call it (it shuffles)."""
+    var out = SIMD[DType.uint32, 8](0)
+    comptime for i in range(8):  # dim pair 2 i, 2 i + 1: frequencies 2 i, 2 i + 1
+        var x = bitcast[DType.bfloat16, 2](own[i]).cast[DType.float32]()
+        var y = bitcast[DType.bfloat16, 2](shuffle_xor(own[i], UInt32(2))).cast[DType.float32]()
+        var c = SIMD[fdtype, 2](cs[4 * i], cs[4 * i + 2]).cast[DType.float32]()
+        var sn = SIMD[fdtype, 2](cs[4 * i + 1], cs[4 * i + 3]).cast[DType.float32]()
+        var r = x * c - y * sn if first_half else x * c + y * sn
+        out[i] = bitcast[DType.uint32, 1](r.cast[DType.bfloat16]())
+    return out
+
+
 def attention_tc_kernel[
-    sink_dtype: DType, TC_WARPS: Int
+    sink_dtype: DType, TC_WARPS: Int, ROPE: Bool = False, fdtype: DType = DType.bfloat16
 ](
     output: Pointer[BFloat16, MutAnyOrigin],
     scratch: Pointer[Float32, MutAnyOrigin],
@@ -276,6 +308,7 @@ def attention_tc_kernel[
     lens: Pointer[UInt32, ImmutAnyOrigin],
     table: Pointer[UInt32, ImmutAnyOrigin],
     sinks: Pointer[Scalar[sink_dtype], ImmutAnyOrigin],
+    freqs: Pointer[Scalar[fdtype], ImmutAnyOrigin],
     batch_: Int64,
     max_pages_: Int64,
     n_heads_: Int64,
@@ -288,6 +321,14 @@ def attention_tc_kernel[
     splits_: Int64,
     scale: Float32,
 ):
+    """ROPE = False: q is [T, n_heads, 64], already roped, and this step's K/V
+    are in the cache (freqs unused). ROPE = True (pure decode steps only: one
+    new token per sequence): q is the qkv projection [T, (n_heads + 2 n_kv)
+    * 64]; each block ropes its heads' q rows with freqs row p (rotate-half,
+    MAX's (cos, sin)-interleaved table [positions, 64]), and the one block
+    whose split holds the new key p ropes its K row, takes its V row, uses
+    both for key p and writes them to the cache: this step's K/V are not in
+    the cache before the launch, and no other block reads slot p."""
     comptime D = TC_DIM
     var n_heads = Int(n_heads_)
     var page_size = Int(page_size_)
@@ -306,47 +347,64 @@ def attention_tc_kernel[
     var kr = _key_range(offs, lens, Int(batch_), t, Int(window_), splits, s)
     var j0 = kr[1]
     var j1 = kr[2]
+    var pos = kr[3]
     var trow = table.unsafe_offset(kr[0] * Int(max_pages_))
     var head_off = kvh * D
     var h = kvh * TC_HEADS + g
+    # qkv's row: n_heads q heads, then n_heads / 8 K heads, then as many V heads.
+    var q_row = n_heads * D + (n_heads // 4) * D if ROPE else n_heads * D
+    var k_new = q.unsafe_offset(t * q_row + n_heads * D + kvh * D)
+    var v_new = k_new.unsafe_offset((n_heads // TC_HEADS) * D)
 
     # Q (head g), dim pairs 8 q4 .. 8 q4 + 7.
-    var qw = q.unsafe_offset((t * n_heads + h) * D + 16 * q4).unsafe_bitcast[UInt32]()
+    var qw = q.unsafe_offset(t * q_row + h * D + 16 * q4).unsafe_bitcast[UInt32]()
     var qa = SIMD[DType.uint32, 8](0)
     qa = qa.insert[offset=0](qw.unsafe_load[width=4, alignment=16](0))
     qa = qa.insert[offset=4](qw.unsafe_load[width=4, alignment=16](4))
+    # (cos, sin) of the 16 frequencies of the lane's dims at position pos, kept
+    # in the table's dtype (16 registers for bf16) for the new key's RoPE.
+    var cs = SIMD[fdtype, 32](0)
+    comptime if ROPE:
+        cs = freqs.unsafe_offset(pos * D + 32 * (q4 & 1)).unsafe_load[width=32, alignment=16]()
+        qa = _rope16(qa, cs, q4 < 2)
     var sl = scale * LOG2E
 
     var m = NEG_BIG
     var l: Float32 = 0
     var acc = Array[SIMD[DType.float32, 4], 8](fill=SIMD[DType.float32, 4](0))
+    # With ROPE the new key (always the last of the split holding it) is not
+    # in the cache yet: the loop stops before it and one warp adds it after.
+    var holds_new = ROPE and j0 <= pos and pos < j1
+    var je = pos if holds_new else j1
     var kbase = j0 + 16 * w
-    while kbase < j1:
+    while kbase < je:
         # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7,
         # loaded first so they are in flight with K's.
         var vr = Array[SIMD[DType.uint32, 4], 4](fill=SIMD[DType.uint32, 4](0))
         comptime for i in range(4):
             var key = kbase + 2 * q4 + (i & 1) + 8 * (i >> 1)
-            if key < j1:
+            if key < je:
                 var vp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + v_base)
                 vr[i] = vp.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
+        # K rows of keys kbase + 8 grp + g, dims 16 q4 .. 16 q4 + 15.
+        var kw = Array[SIMD[DType.uint32, 8], 2](fill=SIMD[DType.uint32, 8](0))
+        comptime for grp in range(2):
+            var key = kbase + 8 * grp + g
+            if key < je:
+                var kp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + k_base)
+                var kwp = kp.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
+                kw[grp] = kw[grp].insert[offset=0](kwp.unsafe_load[width=4, alignment=16](0))
+                kw[grp] = kw[grp].insert[offset=4](kwp.unsafe_load[width=4, alignment=16](4))
         # Scores of keys kbase + 8 grp + 2 q4 + {0, 1} for head g.
         var sc = SIMD[DType.float32, 4](NEG_BIG)
         comptime for grp in range(2):
-            var key = kbase + 8 * grp + g
-            var kw = SIMD[DType.uint32, 8](0)
-            if key < j1:
-                var kp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + k_base)
-                var kwp = kp.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
-                kw = kw.insert[offset=0](kwp.unsafe_load[width=4, alignment=16](0))
-                kw = kw.insert[offset=4](kwp.unsafe_load[width=4, alignment=16](4))
             var sacc = SIMD[DType.float32, 4](0)
             comptime for ks in range(4):
                 var a = bitcast[DType.bfloat16, 8](SIMD[DType.uint32, 4](qa[2 * ks], 0, qa[2 * ks + 1], 0))
-                var bb = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](kw[2 * ks], kw[2 * ks + 1]))
+                var bb = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](kw[grp][2 * ks], kw[grp][2 * ks + 1]))
                 mma(sacc, a, bb, sacc)
             comptime for i in range(2):
-                if kbase + 8 * grp + 2 * q4 + i < j1:
+                if kbase + 8 * grp + 2 * q4 + i < je:
                     sc[2 * grp + i] = sacc[i] * sl
         var m_new = max(m, _quad_max(sc.reduce_max()))
         var corr = exp2(m - m_new)
@@ -368,6 +426,38 @@ def attention_tc_kernel[
             mma(cj, pa, bb, cj)
             acc[j] = cj
         kbase += 16 * TC_WARPS
+
+    comptime if ROPE:
+        if holds_new and w == TC_WARPS - 1:  # warp-uniform
+            # The new key: K row roped (lane: dims 16 q4 .. 16 q4 + 15, as q), V row as is.
+            var knp = k_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
+            var vnp = v_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
+            var kraw = SIMD[DType.uint32, 8](0)
+            var vraw = SIMD[DType.uint32, 8](0)
+            kraw = kraw.insert[offset=0](knp.unsafe_load[width=4, alignment=16](0))
+            kraw = kraw.insert[offset=4](knp.unsafe_load[width=4, alignment=16](4))
+            vraw = vraw.insert[offset=0](vnp.unsafe_load[width=4, alignment=16](0))
+            vraw = vraw.insert[offset=4](vnp.unsafe_load[width=4, alignment=16](4))
+            var kn = _rope16(kraw, cs, q4 < 2)
+            var slot = kv.unsafe_offset(_slot(trow, pos, page_size, page_elems, slot_elems) + head_off)
+            if g < 2:  # lanes of g = 0 write the K row, of g = 1 the V row
+                var row = slot.unsafe_offset((k_base if g == 0 else v_base) + 16 * q4).unsafe_bitcast[UInt32]()
+                var src = kn if g == 0 else vraw
+                row.unsafe_store[alignment=16](src.slice[4, offset=0]())
+                row.unsafe_offset(4).unsafe_store[alignment=16](src.slice[4, offset=4]())
+            # Its score for head g (the quad's four 16-dim parts), then one online-softmax step.
+            var qf = bitcast[DType.bfloat16, 16](qa).cast[DType.float32]()
+            var kf = bitcast[DType.bfloat16, 16](kn).cast[DType.float32]()
+            var sp = _quad_sum((qf * kf).reduce_add()) * sl
+            var m_new = max(m, sp)
+            var corr = exp2(m - m_new)
+            var p = exp2(sp - m_new)
+            m = m_new
+            l = l * corr + (p if q4 == 0 else 0)  # counted once per head by the quad sum below
+            var vf = bitcast[DType.bfloat16, 16](vraw).cast[DType.float32]()
+            comptime for j in range(8):
+                comptime for i in range(2):  # acc[j][i] holds dim 8 (2 q4 + i) + j = 16 q4 + 8 i + j
+                    acc[j][i] = acc[j][i] * corr + p * vf[8 * i + j]
 
     # Merge the warps: per head g, (m, l) and acc[j][0..1] = dims 8 (2 q4 + i) + j.
     var sm = stack_allocation[TC_WARPS * TC_HEADS * 2, Float32, address_space=AddressSpace.SHARED]()
@@ -459,6 +549,105 @@ def attention_merge_kernel[
             orow[unsafe_offset=d] = (o[i] / den).cast[dtype]()
 
 
+def _launch_tc[
+    sink_dtype: DType, ROPE: Bool, fdtype: DType
+](
+    ctx: DeviceContext,
+    output: Pointer[BFloat16, MutAnyOrigin],
+    scratch: Pointer[Float32, MutAnyOrigin],
+    q: Pointer[BFloat16, ImmutAnyOrigin],
+    offs: Pointer[UInt32, ImmutAnyOrigin],
+    kv: Pointer[BFloat16, MutAnyOrigin],
+    lens: Pointer[UInt32, ImmutAnyOrigin],
+    table: Pointer[UInt32, ImmutAnyOrigin],
+    sinks: Pointer[Scalar[sink_dtype], ImmutAnyOrigin],
+    freqs: Pointer[Scalar[fdtype], ImmutAnyOrigin],
+    tokens: Int,
+    batch: Int,
+    max_pages: Int,
+    n_heads: Int,
+    page_size: Int,
+    slot_elems: Int,
+    page_elems: Int,
+    k_base: Int,
+    v_base: Int,
+    window: Int,
+    splits: Int,
+    scale: Float32,
+) raises:
+    """attention_tc_kernel (+ the merge when the keys are split)."""
+    var few = tokens > 1 and tokens * splits <= SPLIT_TOKENS
+    comptime for wi in range(2):
+        comptime warps = TC_WARPS_FEW if wi == 0 else TC_WARPS_MANY
+        if few == (wi == 0):
+            ctx.enqueue_function[attention_tc_kernel[sink_dtype, warps, ROPE, fdtype]](
+                output, scratch, q, offs, kv, lens, table, sinks, freqs,
+                Int64(batch), Int64(max_pages), Int64(n_heads), Int64(page_size), Int64(slot_elems),
+                Int64(page_elems), Int64(k_base), Int64(v_base), Int64(window), Int64(splits), scale,
+                grid_dim=(tokens, splits, n_heads // TC_HEADS),
+                block_dim=warps * 32,
+            )
+    if splits > 1:
+        ctx.enqueue_function[attention_merge_kernel[DType.bfloat16, sink_dtype, TC_DIM]](
+            output, scratch, sinks, Int64(n_heads), Int64(splits),
+            grid_dim=(tokens, n_heads),
+            block_dim=32,
+        )
+
+
+def tc_eligible[dtype: DType, head_dim: Int](group: Int) -> Bool:
+    """Whether a step of this shape takes the tensor-core kernel."""
+    return USE_TENSOR_CORES and dtype == DType.bfloat16 and head_dim == TC_DIM and group == TC_HEADS
+
+
+def _check_splits(tokens: Int, window: Int, scratch_rows: Int) raises -> Int:
+    var splits = n_splits(tokens, window)
+    if splits > 1 and tokens * splits > scratch_rows:
+        raise Error("gptoss_attention_with_sinks: scratch too small for the key splits")
+    return splits
+
+
+def launch_attention_rope[
+    sink_dtype: DType, fdtype: DType
+](
+    ctx: DeviceContext,
+    output: Pointer[BFloat16, MutAnyOrigin],
+    scratch: Pointer[Float32, MutAnyOrigin],
+    scratch_rows: Int,
+    qkv: Pointer[BFloat16, ImmutAnyOrigin],
+    freqs: Pointer[Scalar[fdtype], ImmutAnyOrigin],
+    offs: Pointer[UInt32, ImmutAnyOrigin],
+    kv: Pointer[BFloat16, MutAnyOrigin],
+    lens: Pointer[UInt32, ImmutAnyOrigin],
+    table: Pointer[UInt32, ImmutAnyOrigin],
+    sinks: Pointer[Scalar[sink_dtype], ImmutAnyOrigin],
+    tokens: Int,
+    batch: Int,
+    max_pages: Int,
+    n_heads: Int,
+    page_size: Int,
+    slot_elems: Int,
+    page_elems: Int,
+    k_base: Int,
+    v_base: Int,
+    window: Int,
+    scale: Float32,
+) raises:
+    """RoPE + K/V store + attention in one launch (two with the merge), for a
+    pure decode step (tokens == batch: one new token per sequence) of a
+    tensor-core shape (tc_eligible)."""
+    if tokens == 0:
+        return
+    if tokens != batch:
+        raise Error("gptoss_attention_rope_sinks: the one-launch path takes one new token per sequence")
+    var splits = _check_splits(tokens, window, scratch_rows)
+    _launch_tc[sink_dtype, True, fdtype](
+        ctx, output, scratch, qkv, offs, kv, lens, table, sinks, freqs,
+        tokens, batch, max_pages, n_heads, page_size, slot_elems, page_elems, k_base, v_base, window, splits,
+        scale,
+    )
+
+
 def launch_attention[
     dtype: DType, sink_dtype: DType, head_dim: Int
 ](
@@ -489,29 +678,16 @@ def launch_attention[
         raise Error("gptoss_attention_with_sinks GPU path: head_dim must be a power of two in [8, 256]")
     if tokens == 0:
         return
-    var splits = n_splits(tokens, window)
-    if splits > 1 and tokens * splits > scratch_rows:
-        raise Error("gptoss_attention_with_sinks: scratch too small for the key splits")
-    comptime if USE_TENSOR_CORES and dtype == DType.bfloat16 and head_dim == TC_DIM:
-        if group == TC_HEADS:
-            var few = tokens > 1 and tokens * splits <= SPLIT_TOKENS
-            comptime for wi in range(2):
-                comptime warps = TC_WARPS_FEW if wi == 0 else TC_WARPS_MANY
-                if few == (wi == 0):
-                    ctx.enqueue_function[attention_tc_kernel[sink_dtype, warps]](
-                        output.unsafe_bitcast[BFloat16](), scratch, q.unsafe_bitcast[BFloat16](), offs,
-                        kv.unsafe_bitcast[BFloat16](), lens, table, sinks,
-                        Int64(batch), Int64(max_pages), Int64(n_heads), Int64(page_size), Int64(slot_elems),
-                        Int64(page_elems), Int64(k_base), Int64(v_base), Int64(window), Int64(splits), scale,
-                        grid_dim=(tokens, splits, n_heads // TC_HEADS),
-                        block_dim=warps * 32,
-                    )
-            if splits > 1:
-                ctx.enqueue_function[attention_merge_kernel[dtype, sink_dtype, head_dim]](
-                    output, scratch, sinks, Int64(n_heads), Int64(splits),
-                    grid_dim=(tokens, n_heads),
-                    block_dim=32,
-                )
+    var splits = _check_splits(tokens, window, scratch_rows)
+    comptime if dtype == DType.bfloat16 and head_dim == TC_DIM:
+        if tc_eligible[dtype, head_dim](group):
+            var qb = q.unsafe_bitcast[BFloat16]()
+            # freqs: unused without ROPE
+            _launch_tc[sink_dtype, False, DType.bfloat16](
+                ctx, output.unsafe_bitcast[BFloat16](), scratch, qb, offs, kv.unsafe_bitcast[BFloat16](), lens,
+                table, sinks, qb, tokens, batch, max_pages, n_heads, page_size, slot_elems, page_elems, k_base,
+                v_base, window, splits, scale,
+            )
             return
     var hpb = heads_per_block(group)
     ctx.enqueue_function[attention_split_kernel[dtype, sink_dtype, head_dim]](

@@ -358,6 +358,49 @@ def _prod(dims: list[Dim]) -> Dim:
 ATTENTION_SPLIT_ROWS = 16
 
 
+def _paged_attention_args(
+    kv_collection: PagedCacheValues,
+    layer_idx: TensorValue,
+    input_row_offsets: TensorValue,
+    sinks: TensorValue,
+    n_heads: Dim,
+    head_dim: int,
+) -> tuple[list[TensorValue], list[TensorValue]]:
+    """(the cache inputs, the trailing sinks + CPU scalars) both attention ops take; checks them."""
+    if kv_collection.kv_scales is not None or kv_collection.kv_blocks_per_layer is not None:
+        raise NotImplementedError("quantized or per-layer KV buffers")
+    if layer_idx.dtype != DType.uint32 or input_row_offsets.dtype != DType.uint32:
+        raise TypeError("layer_idx and input_row_offsets must be uint32")
+    _check_dim("sinks", sinks.shape[0], Dim(n_heads))
+    _check_dim("kv head_dim", kv_collection.kv_blocks.shape[5], StaticDim(head_dim))
+    cache = [
+        input_row_offsets,
+        kv_collection.kv_blocks,
+        kv_collection.page_stride,
+        kv_collection.cache_lengths,
+        kv_collection.lookup_table,
+    ]
+    return cache, [sinks, layer_idx]
+
+
+def _attention_tail(scale: float, window: int | None) -> list[TensorValue]:
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive or None, got {window}")
+    cpu = DeviceRef.CPU()
+    return [
+        ops.constant(scale, DType.float32, device=cpu),
+        ops.constant(window or 0, DType.int32, device=cpu),
+    ]
+
+
+def _attention_out_types(dtype: DType, tokens: Dim, n_heads: Dim, head_dim: int, device: DeviceRef) -> list[TensorType]:
+    return [
+        TensorType(dtype, [tokens, n_heads, head_dim], device),
+        # attention_gpu.mojo's SPLIT_TOKENS rows of per-split partials (m, l, acc)
+        TensorType(DType.float32, [ATTENTION_SPLIT_ROWS, n_heads, head_dim + 2], device),
+    ]
+
+
 def attention_with_sinks(
     xq: TensorValue,  # [T, n_heads, head_dim], roped, kv dtype
     kv_collection: PagedCacheValues,  # this step's K/V already stored
@@ -372,35 +415,50 @@ def attention_with_sinks(
     reads is written down in attention_sinks.mojo."""
     if xq.rank != 3 or not isinstance(xq.shape[2], StaticDim):
         raise ValueError(f"xq must be [T, n_heads, head_dim] with static head_dim, got {xq.shape}")
-    if kv_collection.kv_scales is not None or kv_collection.kv_blocks_per_layer is not None:
-        raise NotImplementedError("quantized or per-layer KV buffers")
-    if layer_idx.dtype != DType.uint32 or input_row_offsets.dtype != DType.uint32:
-        raise TypeError("layer_idx and input_row_offsets must be uint32")
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive or None, got {window}")
-    _check_dim("sinks", sinks.shape[0], xq.shape[1])
-    _check_dim("kv head_dim", kv_collection.kv_blocks.shape[5], xq.shape[2])
+    n_heads, head_dim = xq.shape[1], int(xq.shape[2])
+    cache, tail = _paged_attention_args(kv_collection, layer_idx, input_row_offsets, sinks, n_heads, head_dim)
+    scalars = _attention_tail(scale, window)
     _load_kernels()
-    cpu = DeviceRef.CPU()
     return ops.inplace_custom(
         "gptoss_attention_with_sinks",
         xq.device,
-        [
-            xq,
-            input_row_offsets,
-            kv_collection.kv_blocks,
-            kv_collection.page_stride,
-            kv_collection.cache_lengths,
-            kv_collection.lookup_table,
-            sinks,
-            layer_idx,
-            ops.constant(scale, DType.float32, device=cpu),
-            ops.constant(window or 0, DType.int32, device=cpu),
-        ],
-        out_types=[
-            TensorType(xq.dtype, xq.shape, xq.device),
-            # attention_gpu.mojo's SPLIT_TOKENS rows of per-split partials (m, l, acc)
-            TensorType(DType.float32, [ATTENTION_SPLIT_ROWS, xq.shape[1], xq.shape[2] + 2], xq.device),
-        ],
-        parameters={"head_dim": int(xq.shape[2])},
+        [xq, *cache, *tail, *scalars],
+        out_types=_attention_out_types(xq.dtype, xq.shape[0], n_heads, head_dim, xq.device),
+        parameters={"head_dim": head_dim},
+    )[0].tensor
+
+
+def attention_rope_with_sinks(
+    qkv: TensorValue,  # [T, (n_heads + 2 n_kv) * head_dim]: q heads, K heads, V heads; not roped
+    freqs_cis: TensorValue,  # [positions, head_dim]: MAX's RoPE table, (cos, sin) of frequency i at 2i, 2i + 1
+    kv_collection: PagedCacheValues,  # this step's K/V NOT yet stored: this op stores them
+    layer_idx: TensorValue,  # uint32 scalar on CPU
+    input_row_offsets: TensorValue,  # [B + 1] uint32
+    sinks: TensorValue,  # [n_heads]
+    n_heads: int,
+    scale: float,
+    window: int | None,
+) -> TensorValue:  # [T, n_heads, head_dim] qkv.dtype
+    """RoPE (rotate-half) + this step's K/V store + `attention_with_sinks`, as one op: what MAX's
+    `rope_split_store_ragged(..., interleaved=False)` then `attention_with_sinks` compute. On a GPU, a
+    pure decode step (one new token per sequence) of gpt-oss's attention shape is one launch."""
+    head_dim = int(kv_collection.kv_blocks.shape[5])
+    n_kv = int(kv_collection.kv_blocks.shape[4])
+    if qkv.rank != 2 or qkv.shape[1] != StaticDim((n_heads + 2 * n_kv) * head_dim):
+        raise ValueError(f"qkv must be [T, {(n_heads + 2 * n_kv) * head_dim}], got {qkv.shape}")
+    if freqs_cis.rank != 2 or freqs_cis.shape[1] != StaticDim(head_dim):
+        raise ValueError(f"freqs_cis must be [positions, {head_dim}], got {freqs_cis.shape}")
+    if freqs_cis.device != qkv.device:
+        raise ValueError(f"freqs_cis is on {freqs_cis.device}, qkv on {qkv.device}")
+    cache, tail = _paged_attention_args(kv_collection, layer_idx, input_row_offsets, sinks, n_heads, head_dim)
+    scalars = _attention_tail(scale, window)
+    _load_kernels()
+    out_types = _attention_out_types(qkv.dtype, qkv.shape[0], n_heads, head_dim, qkv.device)
+    out_types.append(TensorType(qkv.dtype, [qkv.shape[0], n_heads, head_dim], qkv.device))  # xq, the roped q
+    return ops.inplace_custom(
+        "gptoss_attention_rope_sinks",
+        qkv.device,
+        [qkv, freqs_cis, *cache, *tail, *scalars],
+        out_types=out_types,
+        parameters={"head_dim": head_dim},
     )[0].tensor

@@ -90,6 +90,18 @@ def moe_mxfp4(
     return moe(x, topk_ids, topk_weights, gate_up, gate_up_bias, down, down_bias)
 
 
+def rope(x: np.ndarray, table: np.ndarray, positions: Iterable[int]) -> np.ndarray:
+    """Rotate-half RoPE (transformers' `rotate_half`, gpt-oss's): x [n, heads, d] at `positions`,
+    with frequency i's (cos, sin) at table[p, 2 i], table[p, 2 i + 1] (MAX's freqs_cis layout);
+    dims i and i + d / 2 turn together. float64."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    rows = np.asarray(table, np.float64)[list(positions)]  # [n, d]
+    cos, sin = rows[:, None, 0::2], rows[:, None, 1::2]
+    lo, hi = x[..., :half], x[..., half:]
+    return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+
+
 def attention_with_sinks(
     q: np.ndarray,  # [n, n_heads, head_dim], rows of one sequence
     keys: np.ndarray,  # [length, n_kv_heads, head_dim], the whole sequence

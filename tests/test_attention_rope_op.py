@@ -1,0 +1,316 @@
+"""gptoss_attention_rope_sinks (RoPE + this step's K/V store + sink attention, one op) against a
+float64 NumPy restatement: rotate-half RoPE from MAX's (cos, sin) table, then causal sink attention
+over the whole sequence (kernels/reference.py). The cache is checked afterwards: the new roped K and
+V rows where MAX's layout puts them, every other element untouched. On the CPU, and on a GPU where
+one is present, where pure decode steps of gpt-oss's attention shape (bf16, 64 query heads, 8 KV
+heads, head_dim 64) take the one-launch kernel and the rest the two-step path.
+
+One case also runs MAX's own rope_split_store_ragged + our attention op on the same inputs: the
+fused op must agree with the composition it replaces (the table's layout and the pairing)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from gptoss_max.arch.rope import yarn_inv_freq
+from gptoss_max.checkpoint import from_bf16_bits, to_bf16_bits
+from gptoss_max.kernels import reference
+from op_graphs import op_devices
+from reporting import report
+
+pytestmark = pytest.mark.slow
+
+N_LAYERS, MAX_PAGES, N_POS = 2, 48, 2048
+WINDOW = 128  # layer 0 is a sliding-window layer, layer 1 a full one
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    page_size: int
+    bf16: bool
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.n_heads + 2 * self.n_kv) * self.head_dim
+
+
+GPTOSS = Shape("gptoss", 64, 8, 64, 32, True)
+SMALL = Shape("small", 4, 2, 16, 16, False)
+
+
+def _table(head_dim: int) -> np.ndarray:
+    """A YaRN table as gpt-oss's: [N_POS, head_dim], (cos, sin) of frequency i at 2 i, 2 i + 1."""
+    inv = yarn_inv_freq(head_dim, 150000.0, 32.0, 32.0, 1.0, 4096, False).astype(np.float64)
+    angles = np.arange(N_POS, dtype=np.float64)[:, None] * inv[None, :]
+    mscale = 0.1 * np.log(32.0) + 1.0
+    table = np.empty((N_POS, head_dim), np.float64)
+    table[:, 0::2], table[:, 1::2] = np.cos(angles) * mscale, np.sin(angles) * mscale
+    return table.astype(np.float32)
+
+
+def _build(kind: str, shape: Shape, max_rope: bool = False):
+    """Graph: qkv, table -> (layer 0 with WINDOW, layer 1 full) through our fused op, or with
+    max_rope through MAX's rope_split_store_ragged and our attention op. The cache is updated in
+    place."""
+    from max.driver import CPU, Accelerator
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+    from max.nn.kernels import rope_split_store_ragged
+    from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
+
+    from gptoss_max.kernels.ops import attention_rope_with_sinks, attention_with_sinks
+
+    device = Accelerator() if kind == "gpu" else CPU()
+    dev, cpu = DeviceRef.from_device(device), DeviceRef.CPU()
+    dtype = DType.bfloat16 if shape.bf16 else DType.float32
+    f32, u32 = DType.float32, DType.uint32
+    params = MHAKVCacheParams(
+        dtype=dtype, n_kv_heads=shape.n_kv, head_dim=shape.head_dim, num_layers=N_LAYERS,
+        page_size=shape.page_size, devices=[dev],
+    )  # fmt: skip
+    types = [
+        TensorType(f32, ["T", shape.qkv_width], dev),
+        TensorType(f32, [N_POS, shape.head_dim], dev),
+        BufferType(dtype, ["P", *params.shape_per_block], dev),
+        TensorType(DType.int64, [1], cpu),  # page_stride
+        TensorType(u32, ["B"], dev),  # cache_lengths
+        TensorType(u32, ["B", "M"], dev),  # lookup_table
+        TensorType(u32, [1], cpu),  # max_prompt_length
+        TensorType(u32, [1], cpu),  # max_cache_length
+        TensorType(u32, ["B1"], dev),  # input_row_offsets
+        TensorType(f32, [shape.n_heads], dev),  # sinks
+        TensorType(DType.int64, [4], cpu),  # MAX's attention dispatch metadata
+    ]
+    name = f"attention_rope_{shape.name}_{kind}{'_max' if max_rope else ''}"
+    with Graph(name, input_types=types) as graph:
+        qkv, table, blocks, stride, lengths, lookup, max_prompt, max_cache, offsets, sinks, meta = graph.inputs
+        kv = PagedCacheValues(
+            kv_blocks=blocks.buffer, cache_lengths=lengths.tensor, lookup_table=lookup.tensor,
+            max_prompt_length=max_prompt.tensor, max_cache_length=max_cache.tensor, page_stride=stride.tensor,
+            attention_dispatch_metadata=meta.tensor,
+        )  # fmt: skip
+        x, freqs = ops.cast(qkv.tensor, dtype), ops.cast(table.tensor, dtype)
+        scale = shape.head_dim**-0.5
+        outs = []
+        for layer, window in enumerate((WINDOW, None)):
+            idx = ops.constant(layer, u32, device=cpu)
+            if max_rope:
+                xq = rope_split_store_ragged(
+                    kv_params=params, qkv=x, input_row_offsets=offsets.tensor, freqs_cis=freqs, kv_collection=kv,
+                    layer_idx=idx, n_heads=shape.n_heads, interleaved=False,
+                ).reshape((-1, shape.n_heads, shape.head_dim))  # fmt: skip
+                out = attention_with_sinks(xq, kv, idx, offsets.tensor, sinks.tensor, scale, window)
+            else:
+                out = attention_rope_with_sinks(
+                    x, freqs, kv, idx, offsets.tensor, sinks.tensor, shape.n_heads, scale, window
+                )
+            outs.append(ops.cast(out, f32))
+        graph.output(*outs)
+    start = time.perf_counter()
+    model = InferenceSession(devices=[device]).load(graph)
+    report("attention rope op", f"compile {name}: {time.perf_counter() - start:.1f} s")
+    return device, model
+
+
+_MODELS: dict[tuple[str, str, bool], tuple] = {}
+
+
+def _model(kind: str, shape: Shape, max_rope: bool = False):
+    key = (kind, shape.name, max_rope)
+    if key not in _MODELS:
+        _MODELS[key] = _build(kind, shape, max_rope)
+    return _MODELS[key]
+
+
+class Step:
+    """One step's inputs (random history in scattered pages, garbage elsewhere) and its reference."""
+
+    def __init__(self, shape: Shape, cached: list[int], new: list[int], seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.shape, self.cached, self.new = shape, cached, new
+        s = shape
+        rnd = reference.round_to_bf16 if s.bf16 else (lambda a: a.astype(np.float32))
+        self.totals = [c + n for c, n in zip(cached, new, strict=True)]
+        pages_of = [-(-t // s.page_size) for t in self.totals]
+        n_pages = sum(pages_of) + 3
+        perm = rng.permutation(n_pages)
+        self.lookup = np.zeros((len(new), MAX_PAGES), np.uint32)
+        cursor = 0
+        for b, used in enumerate(pages_of):
+            self.lookup[b, :used] = perm[cursor : cursor + used]
+            cursor += used
+        self.pool = rnd(rng.standard_normal((n_pages, 2, N_LAYERS, s.page_size, s.n_kv, s.head_dim)) * 3)
+        self.offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+        tokens = int(self.offsets[-1])
+        self.qkv = rnd(rng.standard_normal((tokens, s.qkv_width)) * 2)
+        self.table = _table(s.head_dim)
+        self.sinks = (2 + rng.standard_normal(s.n_heads)).astype(np.float32)
+        self.positions = [p for c, n in zip(cached, new, strict=True) for p in range(c, c + n)]
+
+    def _slot(self, b: int, p: int) -> tuple[int, int]:
+        return int(self.lookup[b, p // self.shape.page_size]), p % self.shape.page_size
+
+    def inputs(self, device) -> list:
+        from max.driver import Buffer
+        from max.dtype import DType
+
+        pool = Buffer.from_numpy(to_bf16_bits(self.pool) if self.shape.bf16 else self.pool)
+        if self.shape.bf16:
+            pool = pool.view(DType.bfloat16, list(self.pool.shape))
+        arrays = [
+            self.qkv, self.table, None, np.array([-1], np.int64), np.array(self.cached, np.uint32), self.lookup,
+            np.array([max(self.new)], np.uint32), np.array([max(self.totals)], np.uint32), self.offsets, self.sinks,
+            np.array([len(self.new), max(self.new), 1, max(self.totals)], np.int64),
+        ]  # fmt: skip
+        host = {3, 6, 7, 10}  # CPU-side inputs
+        bufs = []
+        for i, a in enumerate(arrays):
+            buf = pool if a is None else Buffer.from_numpy(np.ascontiguousarray(a))
+            bufs.append(buf if i in host else buf.to(device))
+        return bufs
+
+    def expected(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """(layer 0 and layer 1 outputs [T, n_heads, d], the pool after the step), float64 / dtype."""
+        s, rnd = self.shape, (reference.round_to_bf16 if self.shape.bf16 else (lambda a: a.astype(np.float32)))
+        table = rnd(self.table)  # the graph casts the table to the cache dtype, as the model does
+        heads = self.qkv.reshape(-1, s.n_heads + 2 * s.n_kv, s.head_dim)
+        q = rnd(reference.rope(heads[:, : s.n_heads], table, self.positions).astype(np.float32))
+        k_new = rnd(reference.rope(heads[:, s.n_heads : s.n_heads + s.n_kv], table, self.positions).astype(np.float32))
+        v_new = heads[:, s.n_heads + s.n_kv :]
+        pool = self.pool.copy()
+        row = 0
+        for b, (c, n) in enumerate(zip(self.cached, self.new, strict=True)):
+            for p in range(c, c + n):
+                page, slot = self._slot(b, p)
+                pool[page, 0, :, slot] = k_new[row]
+                pool[page, 1, :, slot] = v_new[row]
+                row += 1
+        outs = []
+        for layer, window in enumerate((WINDOW, None)):
+            parts, row = [], 0
+            for b, (c, n) in enumerate(zip(self.cached, self.new, strict=True)):
+                slots = [self._slot(b, p) for p in range(c + n)]
+                keys = np.stack([pool[pg, 0, layer, sl] for pg, sl in slots])
+                values = np.stack([pool[pg, 1, layer, sl] for pg, sl in slots])
+                parts.append(
+                    reference.attention_with_sinks(
+                        q[row : row + n], keys, values, self.sinks, range(c, c + n), s.head_dim**-0.5, window
+                    )
+                )
+                row += n
+            outs.append(np.concatenate(parts))
+        return outs, pool
+
+    def read_pool(self, buf) -> np.ndarray:
+        from max.driver import CPU
+        from max.dtype import DType
+
+        host = buf.to(CPU())
+        if self.shape.bf16:
+            return from_bf16_bits(host.view(DType.uint16, list(self.pool.shape)).to_numpy()).reshape(self.pool.shape)
+        return host.to_numpy()
+
+
+CASES = [
+    # (shape, cached per sequence, new tokens per sequence)
+    (GPTOSS, [300], [1]),  # batch-1 decode: 16 key splits on the full layer
+    (GPTOSS, [1000, 5, 129], [1, 1, 1]),  # batch-3 decode, a page boundary and the window's edge
+    (GPTOSS, [40, 0], [1, 9]),  # a prompt beside a decode step: the two-step path
+    (SMALL, [21, 0], [3, 9]),
+    (SMALL, [10, 3, 47], [1, 1, 1]),
+]
+
+
+@pytest.mark.parametrize("kind", op_devices())
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].name}-{c[1]}-{c[2]}")
+def test_attention_rope_matches_float64(kind: str, case) -> None:
+    from max.driver import CPU
+
+    shape, cached, new = case
+    step = Step(shape, cached, new, seed=sum(cached) * 31 + len(new))
+    device, model = _model(kind, shape)
+    inputs = step.inputs(device)
+    outs = [o.to(CPU()).to_numpy() for o in model.execute(*inputs)]
+    want, want_pool = step.expected()
+    got_pool = step.read_pool(inputs[2])
+    # The step's V rows are copies and nothing else in the pool moves: exact. K rows are roped in f32
+    # against float64 before one rounding: one step of bf16 apart at most, or (float32) the f32
+    # rounding of x cos - y sin, which cancels, relative to the terms' size.
+    k_mask = np.zeros(want_pool.shape, bool)
+    k_mask[:, 0] = True
+    np.testing.assert_array_equal(got_pool[~k_mask], want_pool[~k_mask])
+    got_k, want_k = got_pool[k_mask], want_pool[k_mask]
+    if shape.bf16:
+        np.testing.assert_allclose(got_k, want_k, rtol=2.0**-7, atol=0)
+    else:
+        np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-6 * np.abs(want_k).max())
+    tol = 1e-2 if shape.bf16 else 1e-5  # bf16 outputs carry ~3e-3 of rounding
+    for layer, (got, ref) in enumerate(zip(outs, want, strict=True)):
+        assert np.isfinite(got).all()
+        rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        report("attention rope op", f"{kind} {shape.name} cached {cached} new {new} layer {layer}: rel err {rel:.2e}")
+        assert rel <= tol
+
+
+def test_attention_rope_matches_max_rope_then_attention() -> None:
+    """The fused op against MAX's rope_split_store_ragged (interleaved=False) + our attention op on
+    the CPU, same inputs: same outputs and the same cache."""
+    from max.driver import CPU
+
+    step_args = (SMALL, [21, 0, 7], [3, 9, 1])
+    got = []
+    for max_rope in (False, True):
+        step = Step(*step_args, seed=5)
+        device, model = _model("cpu", SMALL, max_rope)
+        inputs = step.inputs(device)
+        got.append(([o.to(CPU()).to_numpy() for o in model.execute(*inputs)], step.read_pool(inputs[2])))
+    (ours, ours_pool), (theirs, theirs_pool) = got
+    np.testing.assert_allclose(ours_pool, theirs_pool, rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_attention_rope_refuses_bad_shapes() -> None:
+    from max.dtype import DType
+    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+    from max.nn.kv_cache import PagedCacheValues
+
+    from gptoss_max.kernels.ops import attention_rope_with_sinks
+
+    cpu, f32, u32 = DeviceRef.CPU(), DType.float32, DType.uint32
+
+    def build(qkv_width: int, table_width: int) -> None:
+        types = [
+            TensorType(f32, ["T", qkv_width], cpu),
+            TensorType(f32, [N_POS, table_width], cpu),
+            BufferType(f32, ["P", 2, N_LAYERS, 16, 2, 16], cpu),
+            TensorType(DType.int64, [1], cpu),
+            TensorType(u32, ["B"], cpu),
+            TensorType(u32, ["B", "M"], cpu),
+            TensorType(u32, ["B1"], cpu),
+            TensorType(f32, [4], cpu),
+        ]
+        with Graph("attention_rope_bad", input_types=types) as g:
+            qkv, table, blocks, stride, lengths, lookup, offsets, sinks = g.inputs
+            one = ops.constant(np.array([1], np.uint32), u32, device=cpu)
+            kv = PagedCacheValues(
+                kv_blocks=blocks.buffer, cache_lengths=lengths.tensor, lookup_table=lookup.tensor,
+                max_prompt_length=one, max_cache_length=one, page_stride=stride.tensor,
+            )  # fmt: skip
+            layer = ops.constant(0, u32, device=cpu)
+            attention_rope_with_sinks(qkv.tensor, table.tensor, kv, layer, offsets.tensor, sinks.tensor, 4, 0.25, None)
+
+    with pytest.raises(ValueError, match="qkv must be"):
+        build(4 * 16, 16)  # q heads only
+    with pytest.raises(ValueError, match="freqs_cis must be"):
+        build(8 * 16, 8)
+    build(8 * 16, 16)  # right shapes build
