@@ -376,6 +376,18 @@ def attention_tc_kernel[
     # in the cache yet: the loop stops before it and one warp adds it after.
     var holds_new = ROPE and j0 <= pos and pos < j1
     var je = pos if holds_new else j1
+    # The new key's K row (roped after the loop, lane: dims 16 q4 .. 16 q4 + 15,
+    # as q) and V row, loaded now so their latency hides behind the loop.
+    var kraw = SIMD[DType.uint32, 8](0)
+    var vraw = SIMD[DType.uint32, 8](0)
+    comptime if ROPE:
+        if holds_new and w == TC_WARPS - 1:
+            var knp = k_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
+            var vnp = v_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
+            kraw = kraw.insert[offset=0](knp.unsafe_load[width=4, alignment=16](0))
+            kraw = kraw.insert[offset=4](knp.unsafe_load[width=4, alignment=16](4))
+            vraw = vraw.insert[offset=0](vnp.unsafe_load[width=4, alignment=16](0))
+            vraw = vraw.insert[offset=4](vnp.unsafe_load[width=4, alignment=16](4))
     var kbase = j0 + 16 * w
     while kbase < je:
         # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7,
@@ -429,15 +441,7 @@ def attention_tc_kernel[
 
     comptime if ROPE:
         if holds_new and w == TC_WARPS - 1:  # warp-uniform
-            # The new key: K row roped (lane: dims 16 q4 .. 16 q4 + 15, as q), V row as is.
-            var knp = k_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
-            var vnp = v_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
-            var kraw = SIMD[DType.uint32, 8](0)
-            var vraw = SIMD[DType.uint32, 8](0)
-            kraw = kraw.insert[offset=0](knp.unsafe_load[width=4, alignment=16](0))
-            kraw = kraw.insert[offset=4](knp.unsafe_load[width=4, alignment=16](4))
-            vraw = vraw.insert[offset=0](vnp.unsafe_load[width=4, alignment=16](0))
-            vraw = vraw.insert[offset=4](vnp.unsafe_load[width=4, alignment=16](4))
+            # The new key: K row roped, V row as is.
             var kn = _rope16(kraw, cs, q4 < 2)
             var slot = kv.unsafe_offset(_slot(trow, pos, page_size, page_elems, slot_elems) + head_off)
             if g < 2:  # lanes of g = 0 write the K row, of g = 1 the V row
