@@ -1,5 +1,5 @@
 """The hybrid attention core (MAX's flash attention for steps holding a prompt chunk, ours for
-decode steps, chosen by ops.cond) builds into a valid GPU graph: both branches must only use values
+decode steps, chosen by ops.cond; with RoPE + the K/V store inside our op or MAX's before it) builds into a valid GPU graph: both branches must only use values
 defined outside them (a weight moved to the GPU inside one branch is not). Built, which verifies
 each op, not compiled: no GPU is needed. With `exact`, its projections are the exact-float32 ones a
 float32 GPU graph takes (arch/exact_f32.py): each matmul becomes two."""
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.mark.parametrize("rope_impl", ["fused", "max"])
 @pytest.mark.parametrize(
     ("layer_type", "exact"), [("sliding_attention", False), ("full_attention", False), ("full_attention", True)]
 )
-def test_hybrid_attention_graph_verifies(layer_type, exact):
+def test_hybrid_attention_graph_verifies(layer_type, exact, rope_impl, monkeypatch):
     from max.dtype import DType
     from max.graph import BufferType, DeviceRef, Graph, ShardingStrategy, TensorType
     from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
@@ -21,6 +22,7 @@ def test_hybrid_attention_graph_verifies(layer_type, exact):
     from gptoss_max.arch.attention import SinkAttention
     from gptoss_max.arch.exact_f32 import use_exact_f32_projections
 
+    monkeypatch.setenv("GPTOSS_MAX_ROPE", rope_impl)  # read when the layer builds its graph
     cpu, gpu = DeviceRef.CPU(), DeviceRef.GPU()
     heads, kv_heads, dim, hidden = 4, 2, 16, 32
     params = MHAKVCacheParams(dtype=DType.float32, n_kv_heads=kv_heads, head_dim=dim, num_layers=1,
@@ -63,5 +65,9 @@ def test_hybrid_attention_graph_verifies(layer_type, exact):
         out = attn(x.tensor, kv, input_row_offsets=offsets.tensor)
         g.output(out)
     text = str(g._module)  # building verifies each op: the cond fails there if a branch uses the other's values
-    assert "gptoss_attention_with_sinks" in text and "mo.if" in text
+    assert "mo.if" in text
+    # fused: our op ropes and stores K/V in the decode branch; MAX's rope + store only in the other
+    ours = "gptoss_attention_rope_sinks" if rope_impl == "fused" else "gptoss_attention_with_sinks"
+    other = "gptoss_attention_with_sinks" if rope_impl == "fused" else "gptoss_attention_rope_sinks"
+    assert ours in text and other not in text
     assert text.count("mo.matmul") == (4 if exact else 2)  # qkv and o_proj, each split in two
