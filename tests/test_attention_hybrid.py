@@ -1,8 +1,9 @@
 """The hybrid attention core (MAX's flash attention for steps holding a prompt chunk, ours for
-decode steps, chosen by ops.cond; with RoPE + the K/V store inside our op or MAX's before it) builds into a valid GPU graph: both branches must only use values
-defined outside them (a weight moved to the GPU inside one branch is not). Built, which verifies
-each op, not compiled: no GPU is needed. With `exact`, its projections are the exact-float32 ones a
-float32 GPU graph takes (arch/exact_f32.py): each matmul becomes two."""
+decode steps, chosen by ops.cond; RoPE + the K/V store inside our op, or MAX's before it) builds
+into a valid GPU graph: both branches must only use values defined outside them (a weight moved to
+the GPU inside one branch is not). Built, which verifies each op, not compiled: no GPU is needed.
+With `exact`, its projections are the exact-float32 ones a float32 GPU graph takes
+(arch/exact_f32.py): each matmul becomes two."""
 
 from __future__ import annotations
 
