@@ -117,13 +117,9 @@ def attend[
         var m = sinkp[unsafe_offset=h].cast[DType.float32]()
         var denom: Float32 = 1
         var acc = Array[Float32, head_dim](fill=0)
+        var trow = table.unsafe_offset(b * max_pages)
         for j in range(first, pos + 1):
-            var page = Int(
-                table[unsafe_offset=b * max_pages + j // page_size]
-            )
-            var slot = (
-                page * page_elems + (j % page_size) * slot_elems + head_off
-            )
+            var slot = _slot(trow, j, page_size, page_elems, slot_elems) + head_off
             var kp = kvp.unsafe_offset(slot + k_base)
             var vp = kvp.unsafe_offset(slot + v_base)
             var s: Float32 = 0

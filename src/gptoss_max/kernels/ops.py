@@ -358,36 +358,35 @@ def _prod(dims: list[Dim]) -> Dim:
 ATTENTION_SPLIT_ROWS = 16
 
 
-def _paged_attention_args(
+def _attention_inputs(
     kv_collection: PagedCacheValues,
     layer_idx: TensorValue,
     input_row_offsets: TensorValue,
     sinks: TensorValue,
     n_heads: Dim,
     head_dim: int,
-) -> tuple[list[TensorValue], list[TensorValue]]:
-    """(the cache inputs, the trailing sinks + CPU scalars) both attention ops take; checks them."""
+    scale: float,
+    window: int | None,
+) -> list[TensorValue]:
+    """The inputs both attention ops take after their own (q or qkv + table), checked: the row
+    offsets, the paged cache, sinks, then layer_idx, scale and window as CPU scalars."""
     if kv_collection.kv_scales is not None or kv_collection.kv_blocks_per_layer is not None:
         raise NotImplementedError("quantized or per-layer KV buffers")
     if layer_idx.dtype != DType.uint32 or input_row_offsets.dtype != DType.uint32:
         raise TypeError("layer_idx and input_row_offsets must be uint32")
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive or None, got {window}")
     _check_dim("sinks", sinks.shape[0], Dim(n_heads))
     _check_dim("kv head_dim", kv_collection.kv_blocks.shape[5], StaticDim(head_dim))
-    cache = [
+    cpu = DeviceRef.CPU()
+    return [
         input_row_offsets,
         kv_collection.kv_blocks,
         kv_collection.page_stride,
         kv_collection.cache_lengths,
         kv_collection.lookup_table,
-    ]
-    return cache, [sinks, layer_idx]
-
-
-def _attention_tail(scale: float, window: int | None) -> list[TensorValue]:
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive or None, got {window}")
-    cpu = DeviceRef.CPU()
-    return [
+        sinks,
+        layer_idx,
         ops.constant(scale, DType.float32, device=cpu),
         ops.constant(window or 0, DType.int32, device=cpu),
     ]
@@ -416,13 +415,12 @@ def attention_with_sinks(
     if xq.rank != 3 or not isinstance(xq.shape[2], StaticDim):
         raise ValueError(f"xq must be [T, n_heads, head_dim] with static head_dim, got {xq.shape}")
     n_heads, head_dim = xq.shape[1], int(xq.shape[2])
-    cache, tail = _paged_attention_args(kv_collection, layer_idx, input_row_offsets, sinks, n_heads, head_dim)
-    scalars = _attention_tail(scale, window)
+    rest = _attention_inputs(kv_collection, layer_idx, input_row_offsets, sinks, n_heads, head_dim, scale, window)
     _load_kernels()
     return ops.inplace_custom(
         "gptoss_attention_with_sinks",
         xq.device,
-        [xq, *cache, *tail, *scalars],
+        [xq, *rest],
         out_types=_attention_out_types(xq.dtype, xq.shape[0], n_heads, head_dim, xq.device),
         parameters={"head_dim": head_dim},
     )[0].tensor
@@ -450,15 +448,14 @@ def attention_rope_with_sinks(
         raise ValueError(f"freqs_cis must be [positions, {head_dim}], got {freqs_cis.shape}")
     if freqs_cis.device != qkv.device:
         raise ValueError(f"freqs_cis is on {freqs_cis.device}, qkv on {qkv.device}")
-    cache, tail = _paged_attention_args(kv_collection, layer_idx, input_row_offsets, sinks, n_heads, head_dim)
-    scalars = _attention_tail(scale, window)
+    rest = _attention_inputs(kv_collection, layer_idx, input_row_offsets, sinks, n_heads, head_dim, scale, window)
     _load_kernels()
     out_types = _attention_out_types(qkv.dtype, qkv.shape[0], n_heads, head_dim, qkv.device)
-    out_types.append(TensorType(qkv.dtype, [qkv.shape[0], n_heads, head_dim], qkv.device))  # xq, the roped q
+    out_types.append(out_types[0])  # xq, the roped q: the output's type
     return ops.inplace_custom(
         "gptoss_attention_rope_sinks",
         qkv.device,
-        [qkv, freqs_cis, *cache, *tail, *scalars],
+        [qkv, freqs_cis, *rest],
         out_types=out_types,
         parameters={"head_dim": head_dim},
     )[0].tensor
