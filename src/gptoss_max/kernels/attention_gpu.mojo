@@ -362,21 +362,22 @@ def attention_tc_kernel[
     qa = qa.insert[offset=0](qw.unsafe_load[width=4, alignment=16](0))
     qa = qa.insert[offset=4](qw.unsafe_load[width=4, alignment=16](4))
     # (cos, sin) of the 16 frequencies of the lane's dims at position pos, kept
-    # in the table's dtype (16 registers for bf16) for the new key's RoPE.
+    # in the table's dtype (16 registers for bf16). With ROPE, q is roped in
+    # the warp's first chunk, once that chunk's K/V loads are issued: roped
+    # here, the loads would wait for q's and the table's round trip.
     var cs = SIMD[fdtype, 32](0)
     comptime if ROPE:
         cs = freqs.unsafe_offset(pos * D + 32 * (q4 & 1)).unsafe_load[width=32, alignment=16]()
-        qa = _rope16(qa, cs, q4 < 2)
     var sl = scale * LOG2E
 
     var m = NEG_BIG
     var l: Float32 = 0
     var acc = Array[SIMD[DType.float32, 4], 8](fill=SIMD[DType.float32, 4](0))
     # With ROPE the new key p (always the last of the split holding it) is not
-    # in the cache yet: the warp whose chunk holds it ropes its K row before
-    # the loop (lane: dims 16 q4 .. 16 q4 + 15, as q) and uses it in place of
-    # a cache row; the V row is read from the qkv row. Both go to the cache
-    # after the loop (v_keep: the V row the store needs).
+    # in the cache yet: the warp whose chunk holds it loads its K row now
+    # (lane: dims 16 q4 .. 16 q4 + 15, as q), ropes it in that chunk and uses
+    # it in place of a cache row; the chunk reads the V row from the qkv row.
+    # Both go to the cache after the loop (v_keep: the V row the store needs).
     var holds_new = ROPE and j0 <= pos and pos < j1
     var w_new = ((pos - j0) >> 4) % TC_WARPS
     var kn = SIMD[DType.uint32, 8](0)
@@ -389,7 +390,6 @@ def attention_tc_kernel[
             kn = kn.insert[offset=4](knp.unsafe_load[width=4, alignment=16](4))
             v_keep = v_keep.insert[offset=0](vnp.unsafe_load[width=4, alignment=16](0))
             v_keep = v_keep.insert[offset=4](vnp.unsafe_load[width=4, alignment=16](4))
-            kn = _rope16(kn, cs, q4 < 2)
     var kbase = j0 + 16 * w
     while kbase < j1:
         # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7,
@@ -406,13 +406,19 @@ def attention_tc_kernel[
         var kw = Array[SIMD[DType.uint32, 8], 2](fill=SIMD[DType.uint32, 8](0))
         comptime for grp in range(2):
             var key = kbase + 8 * grp + g
-            if ROPE and key == pos:
-                kw[grp] = kn
-            elif key < j1:
+            if key < j1 and (not ROPE or key != pos):
                 var kp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + k_base)
                 var kwp = kp.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
                 kw[grp] = kw[grp].insert[offset=0](kwp.unsafe_load[width=4, alignment=16](0))
                 kw[grp] = kw[grp].insert[offset=4](kwp.unsafe_load[width=4, alignment=16](4))
+        comptime if ROPE:  # both conditions warp-uniform (the ropes shuffle)
+            if kbase == j0 + 16 * w:
+                qa = _rope16(qa, cs, q4 < 2)
+            if holds_new and kbase <= pos and pos < kbase + 16:
+                kn = _rope16(kn, cs, q4 < 2)
+                comptime for grp in range(2):
+                    if kbase + 8 * grp + g == pos:
+                        kw[grp] = kn
         # Scores of keys kbase + 8 grp + 2 q4 + {0, 1} for head g.
         var sc = SIMD[DType.float32, 4](NEG_BIG)
         comptime for grp in range(2):
