@@ -362,63 +362,51 @@ def attention_tc_kernel[
     qa = qa.insert[offset=0](qw.unsafe_load[width=4, alignment=16](0))
     qa = qa.insert[offset=4](qw.unsafe_load[width=4, alignment=16](4))
     # (cos, sin) of the 16 frequencies of the lane's dims at position pos, kept
-    # in the table's dtype (16 registers for bf16). With ROPE, q is roped in
-    # the warp's first chunk, once that chunk's K/V loads are issued: roped
-    # here, the loads would wait for q's and the table's round trip.
+    # in the table's dtype (16 registers for bf16) for the new key's RoPE.
     var cs = SIMD[fdtype, 32](0)
     comptime if ROPE:
         cs = freqs.unsafe_offset(pos * D + 32 * (q4 & 1)).unsafe_load[width=32, alignment=16]()
+        qa = _rope16(qa, cs, q4 < 2)
     var sl = scale * LOG2E
 
     var m = NEG_BIG
     var l: Float32 = 0
     var acc = Array[SIMD[DType.float32, 4], 8](fill=SIMD[DType.float32, 4](0))
-    # With ROPE the new key p (always the last of the split holding it) is not
-    # in the cache yet: the warp whose chunk holds it loads its K row now
-    # (lane: dims 16 q4 .. 16 q4 + 15, as q), ropes it in that chunk and uses
-    # it in place of a cache row; the chunk reads the V row from the qkv row.
-    # Both go to the cache after the loop (v_keep: the V row the store needs).
+    # With ROPE the new key (always the last of the split holding it) is not
+    # in the cache yet: the loop stops before it and one warp adds it after.
     var holds_new = ROPE and j0 <= pos and pos < j1
-    var w_new = ((pos - j0) >> 4) % TC_WARPS
-    var kn = SIMD[DType.uint32, 8](0)
-    var v_keep = SIMD[DType.uint32, 8](0)
+    var je = pos if holds_new else j1
+    # The new key's K row (roped after the loop, lane: dims 16 q4 .. 16 q4 + 15,
+    # as q) and V row, loaded now so their latency hides behind the loop.
+    var kraw = SIMD[DType.uint32, 8](0)
+    var vraw = SIMD[DType.uint32, 8](0)
     comptime if ROPE:
-        if holds_new and w == w_new:  # warp-uniform
+        if holds_new and w == TC_WARPS - 1:
             var knp = k_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
             var vnp = v_new.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
-            kn = kn.insert[offset=0](knp.unsafe_load[width=4, alignment=16](0))
-            kn = kn.insert[offset=4](knp.unsafe_load[width=4, alignment=16](4))
-            v_keep = v_keep.insert[offset=0](vnp.unsafe_load[width=4, alignment=16](0))
-            v_keep = v_keep.insert[offset=4](vnp.unsafe_load[width=4, alignment=16](4))
+            kraw = kraw.insert[offset=0](knp.unsafe_load[width=4, alignment=16](0))
+            kraw = kraw.insert[offset=4](knp.unsafe_load[width=4, alignment=16](4))
+            vraw = vraw.insert[offset=0](vnp.unsafe_load[width=4, alignment=16](0))
+            vraw = vraw.insert[offset=4](vnp.unsafe_load[width=4, alignment=16](4))
     var kbase = j0 + 16 * w
-    while kbase < j1:
+    while kbase < je:
         # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7,
         # loaded first so they are in flight with K's.
         var vr = Array[SIMD[DType.uint32, 4], 4](fill=SIMD[DType.uint32, 4](0))
         comptime for i in range(4):
             var key = kbase + 2 * q4 + (i & 1) + 8 * (i >> 1)
-            if ROPE and key == pos:
-                vr[i] = v_new.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
-            elif key < j1:
+            if key < je:
                 var vp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + v_base)
                 vr[i] = vp.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
         # K rows of keys kbase + 8 grp + g, dims 16 q4 .. 16 q4 + 15.
         var kw = Array[SIMD[DType.uint32, 8], 2](fill=SIMD[DType.uint32, 8](0))
         comptime for grp in range(2):
             var key = kbase + 8 * grp + g
-            if key < j1 and (not ROPE or key != pos):
+            if key < je:
                 var kp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + k_base)
                 var kwp = kp.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
                 kw[grp] = kw[grp].insert[offset=0](kwp.unsafe_load[width=4, alignment=16](0))
                 kw[grp] = kw[grp].insert[offset=4](kwp.unsafe_load[width=4, alignment=16](4))
-        comptime if ROPE:  # both conditions warp-uniform (the ropes shuffle)
-            if kbase == j0 + 16 * w:
-                qa = _rope16(qa, cs, q4 < 2)
-            if holds_new and kbase <= pos and pos < kbase + 16:
-                kn = _rope16(kn, cs, q4 < 2)
-                comptime for grp in range(2):
-                    if kbase + 8 * grp + g == pos:
-                        kw[grp] = kn
         # Scores of keys kbase + 8 grp + 2 q4 + {0, 1} for head g.
         var sc = SIMD[DType.float32, 4](NEG_BIG)
         comptime for grp in range(2):
@@ -428,7 +416,7 @@ def attention_tc_kernel[
                 var bb = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](kw[grp][2 * ks], kw[grp][2 * ks + 1]))
                 mma(sacc, a, bb, sacc)
             comptime for i in range(2):
-                if kbase + 8 * grp + 2 * q4 + i < j1:
+                if kbase + 8 * grp + 2 * q4 + i < je:
                     sc[2 * grp + i] = sacc[i] * sl
         var m_new = max(m, _quad_max(sc.reduce_max()))
         var corr = exp2(m - m_new)
@@ -452,12 +440,28 @@ def attention_tc_kernel[
         kbase += 16 * TC_WARPS
 
     comptime if ROPE:
-        if holds_new and w == w_new and g < 2:  # lanes of g = 0 store the K row, of g = 1 the V row
+        if holds_new and w == TC_WARPS - 1:  # warp-uniform
+            # The new key: K row roped, V row as is.
+            var kn = _rope16(kraw, cs, q4 < 2)
             var slot = kv.unsafe_offset(_slot(trow, pos, page_size, page_elems, slot_elems) + head_off)
-            var row = slot.unsafe_offset((k_base if g == 0 else v_base) + 16 * q4).unsafe_bitcast[UInt32]()
-            var src = kn if g == 0 else v_keep
-            row.unsafe_store[alignment=16](src.slice[4, offset=0]())
-            row.unsafe_offset(4).unsafe_store[alignment=16](src.slice[4, offset=4]())
+            if g < 2:  # lanes of g = 0 write the K row, of g = 1 the V row
+                var row = slot.unsafe_offset((k_base if g == 0 else v_base) + 16 * q4).unsafe_bitcast[UInt32]()
+                var src = kn if g == 0 else vraw
+                row.unsafe_store[alignment=16](src.slice[4, offset=0]())
+                row.unsafe_offset(4).unsafe_store[alignment=16](src.slice[4, offset=4]())
+            # Its score for head g (the quad's four 16-dim parts), then one online-softmax step.
+            var qf = bitcast[DType.bfloat16, 16](qa).cast[DType.float32]()
+            var kf = bitcast[DType.bfloat16, 16](kn).cast[DType.float32]()
+            var sp = _quad_sum((qf * kf).reduce_add()) * sl
+            var m_new = max(m, sp)
+            var corr = exp2(m - m_new)
+            var p = exp2(sp - m_new)
+            m = m_new
+            l = l * corr + (p if q4 == 0 else 0)  # counted once per head by the quad sum below
+            var vf = bitcast[DType.bfloat16, 16](vraw).cast[DType.float32]()
+            comptime for j in range(8):
+                comptime for i in range(2):  # acc[j][i] holds dim 8 (2 q4 + i) + j = 16 q4 + 8 i + j
+                    acc[j][i] = acc[j][i] * corr + p * vf[8 * i + j]
 
     # Merge the warps: per head g, (m, l) and acc[j][0..1] = dims 8 (2 q4 + i) + j.
     var sm = stack_allocation[TC_WARPS * TC_HEADS * 2, Float32, address_space=AddressSpace.SHARED]()
