@@ -292,6 +292,14 @@ struct AttentionWithSinks:
         )
 
 
+# Decode steps of at most this many tokens take the one-launch ROPE kernel.
+# Measured on the H100 (120b, 6-layer step profile, bench/NOTES.md): batch 1
+# 7.3 us against 6.4 + 2.2 for the two launches; batch 64 55.0 us against
+# 36.9 + 3.7 (the ROPE kernel's registers cost blocks per SM). Between 2 and
+# 63 it is not measured; 16 is the key-split regime's bound (SPLIT_TOKENS).
+comptime ROPE_ONE_LAUNCH_TOKENS = 16
+
+
 @extensibility.register("gptoss_attention_rope_sinks")
 struct AttentionRopeSinks:
     """RoPE, this step's K/V store and sink attention in one op: what MAX's
@@ -305,9 +313,10 @@ struct AttentionRopeSinks:
     The cache and the other inputs as gptoss_attention_with_sinks.
 
     GPU, tensor-core shapes (bf16, head_dim 64, 8 query heads per KV head),
-    one new token per sequence (T == B, a pure decode step): one launch
-    (attention_gpu.mojo's ROPE kernel, + the merge when the keys are split).
-    Otherwise, and on the CPU: rope_store, then attend.
+    one new token per sequence (T == B, a pure decode step) of at most
+    ROPE_ONE_LAUNCH_TOKENS tokens: one launch (attention_gpu.mojo's ROPE
+    kernel, + the merge when the keys are split). Otherwise, and on the CPU:
+    rope_store, then attend.
     """
 
     @staticmethod
@@ -352,7 +361,11 @@ struct AttentionRopeSinks:
         var kvp = kv_blocks.unsafe_ptr()
         var qkvp = qkv.unsafe_ptr()
         comptime if target == "gpu" and dtype == DType.bfloat16:
-            if tc_eligible[dtype, head_dim](n_heads // geo.n_kv_heads) and tokens == batch:
+            if (
+                tc_eligible[dtype, head_dim](n_heads // geo.n_kv_heads)
+                and tokens == batch
+                and tokens <= ROPE_ONE_LAUNCH_TOKENS
+            ):
                 launch_attention_rope[sinks.dtype, freqs.dtype](
                     ctx, output.unsafe_ptr().unsafe_bitcast[BFloat16](), scratch.unsafe_ptr(), scratch.dim_size[0](),
                     qkvp.unsafe_bitcast[BFloat16](), freqs.unsafe_ptr(), offs, kvp.unsafe_bitcast[BFloat16](), lens,

@@ -7,6 +7,8 @@ from max.gpu.host import DeviceContext
 from max.gpu.primitives.warp import shuffle_xor
 from std.collections import Array
 from std.math import exp
+from std.memory import bitcast
+from std.sys import llvm_intrinsic
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
 
@@ -22,7 +24,10 @@ from std.utils.static_tuple import StaticTuple
 # chosen logit; slots holding -inf next to a finite max get 0).
 #
 # GPU: a warp per token, each lane holding E / 32 logits in registers; k
-# rounds of a warp argmax by shuffles. CPU: a task per token, the same rule.
+# rounds of a warp argmax. For 16-bit logits each candidate is one exact
+# u32 key (order-preserving logit bits, then the inverted id: ties go to the
+# lower id) and a round is one redux.sync max; f32 logits take a butterfly
+# of shuffles on (value, id). CPU: a task per token, the same rule.
 
 comptime ROUTER_WARPS = 4
 comptime ROUTER_MAX_EXPERTS = 256
@@ -43,12 +48,77 @@ def _softmax_term(v: Float32, vmax: Float32) -> Float32:
 
 
 @always_inline
+def _key16[dtype: DType](x: Scalar[dtype], e: Int) -> UInt32:
+    """An exact u32 rank key of a 16-bit float logit x of expert e < 65536:
+    larger logit, then lower id, gives the larger key; NaN gives 0 (never
+    chosen: every other key is above 0); -0 ranks as +0."""
+    var b = UInt32(bitcast[DType.uint16, 1](x))
+    b = 0 if b == 0x8000 else b
+    var o = (b ^ 0xFFFF) if (b & 0x8000) != 0 else (b | 0x8000)
+    return 0 if x != x else (o << 16) | UInt32(0xFFFF - e)
+
+
+@always_inline
+def _key16_value[dtype: DType](key: UInt32) -> Float32:
+    """The logit a nonzero _key16 key was made from, as f32."""
+    var o = key >> 16
+    var b = (o ^ 0x8000) if (o & 0x8000) != 0 else (o ^ 0xFFFF)
+    return bitcast[dtype, 1](UInt16(b)).cast[DType.float32]()
+
+
+@always_inline
 def warp_topk[
     in_dtype: DType, per_lane: Int
 ](row: Pointer[Scalar[in_dtype], _], n_experts: Int, top_k: Int) -> Tuple[Int32, Float32]:
     """Warp-wide: the top_k of one token's logits `row` [n_experts] (E <= 32 *
     per_lane). Lane k < top_k gets the k-th choice and its softmaxed weight
     ((-1, 0) when fewer than k are choosable); other lanes get (-1, 0)."""
+    comptime if in_dtype == DType.bfloat16 or in_dtype == DType.float16:
+        return _warp_topk_redux[in_dtype, per_lane](row, n_experts, top_k)
+    return _warp_topk_shuffle[in_dtype, per_lane](row, n_experts, top_k)
+
+
+@always_inline
+def _warp_topk_redux[
+    in_dtype: DType, per_lane: Int
+](row: Pointer[Scalar[in_dtype], _], n_experts: Int, top_k: Int) -> Tuple[Int32, Float32]:
+    """warp_topk for 16-bit logits: a round is one redux.sync max over the
+    lanes' best keys; every lane sees every winner, so each sums the softmax
+    itself (no shuffles)."""
+    var lane = Int(lane_id())
+    var keys = SIMD[DType.uint32, per_lane](0)
+    comptime for j in range(per_lane):
+        var e = lane + 32 * j
+        if e < n_experts:
+            keys[j] = _key16[in_dtype](row[unsafe_offset=e], e)
+    var mine_v = Float32(0)
+    var mine_i = Int32(-1)
+    var vmax = Float32(0)
+    var total = Float32(0)
+    for k in range(top_k):
+        var best = llvm_intrinsic["llvm.nvvm.redux.sync.umax", UInt32](keys.reduce_max(), UInt32(0xFFFFFFFF))
+        if best == 0:  # nothing choosable is left
+            break
+        var v = _key16_value[in_dtype](best)
+        if k == 0:
+            vmax = v
+        total += _softmax_term(v, vmax)
+        if lane == k:
+            mine_v = v
+            mine_i = Int32(0xFFFF - Int(best & 0xFFFF))
+        comptime for j in range(per_lane):
+            if keys[j] == best:  # only its owner: keys are unique
+                keys[j] = 0
+    if mine_i < 0 or lane >= top_k:
+        return (Int32(-1), Float32(0))
+    return (mine_i, _softmax_term(mine_v, vmax) / total)
+
+
+@always_inline
+def _warp_topk_shuffle[
+    in_dtype: DType, per_lane: Int
+](row: Pointer[Scalar[in_dtype], _], n_experts: Int, top_k: Int) -> Tuple[Int32, Float32]:
+    """warp_topk for f32 logits: a round is a butterfly of shuffles on (value, id)."""
     var lane = Int(lane_id())
     var v = Array[Float32, per_lane](fill=0)
     var free = Array[Bool, per_lane](fill=False)
