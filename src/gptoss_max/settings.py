@@ -83,7 +83,7 @@ def topk_impl() -> str:
 def rope_impl() -> str:
     """`GPTOSS_MAX_ROPE`: `auto` (= `fused`), `fused` or `max`; where a step that runs our attention op
     applies RoPE and stores its K/V. `fused`: inside our op (gptoss_attention_rope_sinks), which on
-    the GPU is one launch for a pure decode step. `max`: MAX's rope_split_store_ragged before our
+    the GPU is one launch for a pure decode step of at most 16 tokens. `max`: MAX's rope_split_store_ragged before our
     op. Steps given to MAX's attention (`GPTOSS_MAX_ATTENTION`) always use MAX's. Same values either
     way up to f32 rounding order. Read in the process that builds the graph."""
     value = os.environ.get("GPTOSS_MAX_ROPE", "auto")
