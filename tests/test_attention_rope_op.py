@@ -225,6 +225,8 @@ CASES = [
     (GPTOSS, [300], [1]),  # batch-1 decode: 16 key splits on the full layer
     (GPTOSS, [1000, 5, 129], [1, 1, 1]),  # batch-3 decode, a page boundary and the window's edge
     (GPTOSS, [40, 0], [1, 9]),  # a prompt beside a decode step: the two-step path
+    # batch-17 decode: above ROPE_ONE_LAUNCH_TOKENS, the GPU's two-step path for a pure decode step
+    (GPTOSS, [3 + 11 * i for i in range(17)], [1] * 17),
     (SMALL, [21, 0], [3, 9]),
     (SMALL, [10, 3, 47], [1, 1, 1]),
 ]
