@@ -1,6 +1,7 @@
 import extensibility
-from extensibility import InputTensor, OutputTensor, foreach
+from extensibility import InputTensor, OutputTensor
 from layout import coord_to_index_list
+from max.algorithm import elementwise
 from max.gpu.host import DeviceContext
 from std.utils.coord import Coord
 
@@ -10,35 +11,54 @@ from .moe_prefill_gpu import launch_prefill_gate_up, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
 
 
-@always_inline
-def gate_up_element[
-    x_dtype: DType
+def gate_up_cpu[
+    target: StaticString, x_dtype: DType
 ](
+    ctx: DeviceContext,
+    hp: Pointer[Float32, MutAnyOrigin],
+    cp: Pointer[UInt32, MutAnyOrigin],
+    n_count: Int,
     xp: Pointer[Scalar[x_dtype], ImmutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
     bp: Pointer[UInt8, ImmutAnyOrigin],
     sp: Pointer[UInt8, ImmutAnyOrigin],
     biasp: Pointer[Float32, ImmutAnyOrigin],
+    tokens: Int,
+    top_k: Int,
     n_experts: Int,
     rows: Int,
     hidden: Int,
-    top_k: Int,
-    t: Int,
-    k: Int,
-    i: Int,
-) -> Float32:
-    """CPU path: h[t, k, i] (0 for an id outside [0, E))."""
-    var e = Int(ids[unsafe_offset=t * top_k + k])
-    if e < 0 or e >= n_experts:
-        return 0
-    var xrow = xp.unsafe_offset(t * hidden)
-    var r = 2 * i
-    var gate_row = e * rows + r
-    var eb = bp.unsafe_offset(e * rows * (hidden // 2))
-    var es = sp.unsafe_offset(e * rows * (hidden // MXFP4_BLOCK))
-    var gate = mxfp4_tiled_row_dot(eb, es, r, xrow, hidden)
-    var up = mxfp4_tiled_row_dot(eb, es, r + 1, xrow, hidden)
-    return gptoss_swiglu(gate + biasp[unsafe_offset=gate_row], up + biasp[unsafe_offset=gate_row + 1])
+) raises:
+    """CPU path: counters zeroed, h[t, k, i] by one task per element (0 for an
+    id outside [0, E))."""
+    for i in range(n_count):
+        cp[unsafe_offset=i] = 0
+    var inter = rows // 2
+
+    def h_elem[
+        width: Int, alignment: Int = 1
+    ](idx: Coord) {
+        var hp, var xp, var ids, var bp, var sp, var biasp, var n_experts, var rows, var hidden, var top_k, var inter,
+    }:
+        var i3 = coord_to_index_list(idx)
+        var t = i3[0]
+        var k = i3[1]
+        var i = i3[2]
+        var out = hp.unsafe_offset((t * top_k + k) * inter + i)
+        var e = Int(ids[unsafe_offset=t * top_k + k])
+        if e < 0 or e >= n_experts:
+            out[] = 0
+            return
+        var xrow = xp.unsafe_offset(t * hidden)
+        var r = 2 * i
+        var gate_row = e * rows + r
+        var eb = bp.unsafe_offset(e * rows * (hidden // 2))
+        var es = sp.unsafe_offset(e * rows * (hidden // MXFP4_BLOCK))
+        var gate = mxfp4_tiled_row_dot(eb, es, r, xrow, hidden)
+        var up = mxfp4_tiled_row_dot(eb, es, r + 1, xrow, hidden)
+        out[] = gptoss_swiglu(gate + biasp[unsafe_offset=gate_row], up + biasp[unsafe_offset=gate_row + 1])
+
+    elementwise[simd_width=1, target=target](h_elem, Coord(tokens, top_k, inter), ctx)
 
 
 def gate_up_gpu[
@@ -155,19 +175,7 @@ struct MoeGateUpMxfp4:
             )
             return
 
-        var cp = counters.unsafe_ptr()
-        for i in range(n_count):
-            cp[unsafe_offset=i] = 0
-
-        def h_elem[
-            width: Int
-        ](idx: Coord) {
-            var xp, var ids, var bp, var sp, var biasp, var n_experts, var rows, var hidden, var top_k,
-        } -> SIMD[DType.float32, width]:
-            var i3 = coord_to_index_list(idx)
-            var res = SIMD[DType.float32, width](0)
-            comptime for w in range(width):
-                res[w] = gate_up_element(xp, ids, bp, sp, biasp, n_experts, rows, hidden, top_k, i3[0], i3[1], i3[2] + w)
-            return res
-
-        foreach[target=target, simd_width=1](h_elem, output, ctx)
+        gate_up_cpu[target, x.dtype](
+            ctx, output.unsafe_ptr(), counters.unsafe_ptr(), n_count, xp, ids, bp, sp, biasp,
+            x.dim_size[0](), top_k, n_experts, rows, hidden,
+        )

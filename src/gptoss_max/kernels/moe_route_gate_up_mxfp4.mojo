@@ -1,10 +1,8 @@
 import extensibility
-from extensibility import InputTensor, OutputTensor, foreach
-from layout import coord_to_index_list
+from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
-from std.utils.coord import Coord
 
-from .moe_gate_up_mxfp4 import check_gate_up, gate_up_element, gate_up_gpu
+from .moe_gate_up_mxfp4 import check_gate_up, gate_up_cpu, gate_up_gpu
 from .moe_gpu import launch_route_gate_up
 from .moe_prefill_gpu import prefill_choice
 from .router_topk import check_topk, router_topk
@@ -84,20 +82,8 @@ struct MoeRouteGateUpMxfp4:
             return
 
         router_topk[target, x.dtype](idp, wp, lp, tokens, n_experts, top_k, ctx)
-        var cp = counters.unsafe_ptr()
-        for i in range(n_count):
-            cp[unsafe_offset=i] = 0
         var ip = idp.unsafe_mut_cast[False]().unsafe_origin_cast[ImmutAnyOrigin]()
-
-        def h_elem[
-            width: Int
-        ](idx: Coord) {
-            var xp, var ip, var bp, var sp, var biasp, var n_experts, var rows, var hidden, var top_k,
-        } -> SIMD[DType.float32, width]:
-            var i3 = coord_to_index_list(idx)
-            var res = SIMD[DType.float32, width](0)
-            comptime for w in range(width):
-                res[w] = gate_up_element(xp, ip, bp, sp, biasp, n_experts, rows, hidden, top_k, i3[0], i3[1], i3[2] + w)
-            return res
-
-        foreach[target=target, simd_width=1](h_elem, output, ctx)
+        gate_up_cpu[target, x.dtype](
+            ctx, output.unsafe_ptr(), counters.unsafe_ptr(), n_count, xp, ip, bp, sp, biasp,
+            tokens, top_k, n_experts, rows, hidden,
+        )
