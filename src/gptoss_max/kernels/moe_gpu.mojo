@@ -871,6 +871,8 @@ def _launch_gate_up[
     hidden: Int,
 ) raises:
     var n_pairs = tokens * top_k
+    if n_pairs > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
+        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
     ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token, route]](
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
@@ -898,8 +900,6 @@ def launch_gate_up[
     hidden: Int,
 ) raises:
     """gate_up for at most CHUNK_TOKENS tokens; also zeroes the counters."""
-    if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
-        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
     if tokens == 1:
         _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True](
             ctx, h, counters, n_count, x, ids, x, ids.unsafe_mut_cast[True](), h, blocks, scales, bias,
@@ -939,8 +939,6 @@ def launch_route_gate_up[
     """gate_up of a one-token step that also takes the router's top-k
     (E <= 256, K <= 32; writes ids_out [K], wts_out [K]); also zeroes the
     counters."""
-    if top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
-        raise Error("gptoss MoE GPU path: needs top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
     var ids = ids_out.unsafe_mut_cast[False]().unsafe_origin_cast[ImmutAnyOrigin]()
     if n_experts <= 128:
         _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True, 4](
