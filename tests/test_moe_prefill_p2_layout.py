@@ -25,9 +25,9 @@ THREADS, BN, NKB = 128 * NWG, 64 * NWG, K // 64
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
-    P2_BK, P2_B_STRIDE, a_pair_sel, p2_acc_gate, p2_acc_up, p2_b_src, p2_mults, p2_nt_variant, p2_row0, p2_s_row,
-    p2_scale_bytes, p2_scale_shift, p2_scale_window, p2_stage_bytes, p2_step_frag, p2_x_dst, p2_x_row,
-    packed_unit, wgmma_desc_sw128,
+    P2_BK, P2_B_STRIDE, a_pair_sel, p2_acc_gate, p2_acc_up, p2_b_src, p2_group_scales, p2_nt_variant, p2_row0,
+    p2_row_mults, p2_s_row, p2_scale_window, p2_stage_bytes, p2_step_frag, p2_x_dst, p2_x_row, packed_unit,
+    wgmma_desc_sw128,
 )
 from std.memory import bitcast
 
@@ -62,9 +62,10 @@ def main() raises:
     for _ in range(BN * K // 2):
         codes.append(UInt8(lcg(s) & 0xFF))
     var scales = List[UInt8]()
-    for r in range(BN * K // 32):
+    for r in range(BN * K // 32):  # tiled order: 16-row groups of K / 2 bytes
         var v = 112 + lcg(s) % 16
-        if r % 37 == 5:
+        var grp = r // (K // 2)
+        if (grp == 2 or grp == 5) and r % 7 == 3:  # two groups take the two-multiply path
             v = 129 + lcg(s) % 4
         scales.append(UInt8(v))
     print("variant", p2_nt_variant(ROWS_VALID, BM))
@@ -100,26 +101,19 @@ def main() raises:
             for j in range(64):
                 line += " " + String(Int(smem[st + a + j]))
             print(line)
-        # compute roles: scale bytes, the warp's vote, the A fragments, the descriptors
-        var scs = List[SIMD[DType.uint32, 4]]()
+        # compute roles: the warp's tile-wide scan for scales above 128, the
+        # stage's scale window, the A fragments, the descriptors
         for tid in range(THREADS):
             var r0 = p2_row0(tid)
-            var win = SIMD[DType.uint32, 2](ld32(smem, st + BM * 128 + BN * 32 + r0 * 4),
-                                            ld32(smem, st + BM * 128 + BN * 32 + r0 * 4 + 4))
-            var so0 = p2_s_row(0, BN, 0, r0, K)
-            var so1 = p2_s_row(0, BN, 0, r0 + 1, K)
-            scs.append(p2_scale_bytes(win, p2_scale_shift(so0, kb), p2_scale_shift(so1, kb)))
-        for tid in range(THREADS):
+            var g0 = p2_group_scales(0, BN, r0 & ~15, K)
             var big = False
-            for l in range(32):
-                var o = scs[(tid & ~31) + l]
-                big = big or o[0] > 128 or o[1] > 128 or o[2] > 128 or o[3] > 128
-            var r0 = p2_row0(tid)
-            var sc = scs[tid]
+            for j in range(K // 2):
+                big = big or scales[g0 + j] > 128
+            var win = ld32(smem, st + BM * 128 + BN * 32 + r0 * 4)
             var sel = a_pair_sel(tid & 3)
             for blk in range(2):
-                var m0 = p2_mults(sc[blk])
-                var m1 = p2_mults(sc[2 + blk])
+                var m0 = p2_row_mults[True](win, blk) if big else p2_row_mults[False](win, blk)
+                var m1 = p2_row_mults[True](win, 2 + blk) if big else p2_row_mults[False](win, 2 + blk)
                 var v0 = SIMD[DType.uint32, 4](0)
                 var v1 = SIMD[DType.uint32, 4](0)
                 for j in range(4):

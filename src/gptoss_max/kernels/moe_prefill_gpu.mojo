@@ -687,20 +687,6 @@ def p2_scale_window(s_row: Int, kb: Int) -> Int:
 
 
 @always_inline
-def p2_scale_shift(s_row: Int, kb: Int) -> UInt32:
-    """Bit offset of scale byte 2kb in its window (byte 2kb + 1 follows)."""
-    return UInt32(8 * ((s_row + P2_S_STRIDE * kb) & 3))
-
-
-@always_inline
-def p2_scale_bytes(win: SIMD[DType.uint32, 2], sh0: UInt32, sh1: UInt32) -> SIMD[DType.uint32, 4]:
-    """(R0 blk 0, R0 blk 1, R1 blk 0, R1 blk 1) scale bytes from the windows of rows R0, R1."""
-    return SIMD[DType.uint32, 4](
-        (win[0] >> sh0) & 0xFF, (win[0] >> (sh0 + 8)) & 0xFF, (win[1] >> sh1) & 0xFF, (win[1] >> (sh1 + 8)) & 0xFF
-    )
-
-
-@always_inline
 def p2_row0(tid: Int) -> Int:
     """Tile row (even: gate) whose A fragment thread tid decodes: warpgroup
     tid >> 7, warp (tid >> 5) & 3 in it, g = lane >> 2; its M rows g, g + 8
@@ -767,6 +753,111 @@ def _p2_issue[
         )
 
 
+
+@always_inline
+def p2_group_scales(e: Int, n_rows: Int, row: Int, k_dim: Int) -> Int:
+    """Byte offset of the scales of the 16-row group holding `row` (clamped to
+    the last group): its K / 2 bytes are contiguous and 16-byte aligned in the
+    tiled layout (blocks 2kb, 2kb + 1 of its row r at + 32 kb + 2 (r & 15))."""
+    var nb = k_dim // 32
+    return e * n_rows * nb + (min(row, n_rows - 1) >> 4) * nb * 16
+
+
+@always_inline
+def p2_group_has_big_scale(
+    scales: Pointer[UInt8, ImmutAnyOrigin], e: Int, n_rows: Int, row: Int, k_dim: Int
+) -> Bool:
+    """Whether any scale byte of the 16-row group holding `row` is above 128,
+    for the whole warp (16 bytes a lane, one vote)."""
+    var nb = k_dim // 32
+    var base = p2_group_scales(e, n_rows, row, k_dim)
+    var any_big = False
+    for u in range(Int(lane_id()), nb, 32):
+        var v = scales.unsafe_load[width=16, alignment=16](base + 16 * u)
+        any_big = any_big or v.reduce_max() > 128
+    return vote[DType.uint32](any_big) != 0
+
+
+@always_inline
+def p2_mult(win: UInt32, j: Int) -> UInt32:
+    """bf16x2 multiplier 2^(s-1) (decode_pair's scale) for scale byte j of the
+    window, s <= 128: (s + 126) << 7 in both halves, one prmt (the byte,
+    zero-extended) and one multiply-add."""
+    return prmt(win, 0, UInt32(0x4440 | j)) * 0x00800080 + 0x3F003F00
+
+
+@always_inline
+def p2_row_mults[BIG: Bool](win: UInt32, j: Int) -> SIMD[DType.uint32, 2]:
+    """(first, second) multipliers of scale byte j of a stage's window (bytes
+    0, 1: row r0's blocks 0, 1; bytes 2, 3: row r0 + 1's), as p2_frag takes
+    them; the second only on the BIG path (p2_mults)."""
+    comptime if BIG:
+        return p2_mults((win >> UInt32(8 * j)) & 0xFF)
+    else:
+        return SIMD[DType.uint32, 2](p2_mult(win, j), 0)
+
+
+@always_inline
+def _p2_loop[
+    down: Bool, BM: Int, NT: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool
+](
+    smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    mut acc: SIMD[DType.float32, NT // 2],
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    x_off: Array[Int, CPT],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    b_off: Int,
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    s_off: Int,
+    tid: Int,
+    r0: Int,
+    sel: UInt32,
+    wg_active: Bool,
+    nkb: Int,
+):
+    """The tile's k loop: per 64-k stage, wait for its copies, issue the copies
+    STAGES - 2 stages ahead, decode the A fragments of rows r0, r0 + 1 and run
+    four wgmma k16 steps (one group each, at most two in flight). BIG: the
+    warp's rows have a scale above 128 somewhere (two multiplies per pair).
+    Rows r0 (even) and r0 + 1 share one aligned scale window: bytes 0, 1 are
+    r0's blocks 0, 1 and bytes 2, 3 are r0 + 1's."""
+    comptime BN = 64 * NWG
+    comptime THREADS = 128 * NWG
+    comptime STAGE = p2_stage_bytes(BM, BN)
+    var smem_addr = Int(smem)
+    for kb in range(nkb):
+        async_copy_wait_group(Int32(STAGES - 3))
+        fence_async_view_proxy()
+        barrier()
+        var nxt = kb + STAGES - 2
+        if nxt < nkb:
+            _p2_issue[BM, NT, BN, THREADS, CPT](
+                smem, a_src, x_off, blocks, b_off, scales, s_off, tid, nxt % STAGES, nxt
+            )
+        async_copy_commit_group()
+        if wg_active:
+            var st = (kb % STAGES) * STAGE
+            var win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
+            var desc0 = wgmma_desc_sw128(smem_addr + st)
+            var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
+            comptime for blk in range(2):
+                var m0 = p2_row_mults[BIG](win, blk)
+                var m1 = p2_row_mults[BIG](win, 2 + blk)
+                var v0 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + blk) * 4)
+                var v1 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + 2 + blk) * 4)
+                comptime for s2 in range(2):
+                    var frag = p2_step_frag[BIG](v0, v1, s2, sel, m0, m1)
+                    wgmma_fence_aligned()
+                    # + 32 bytes per k16 step: + 2 in the start-address field (no carry:
+                    # shared addresses are below 2^18, the field holds addr >> 4 in 14 bits)
+                    var desc = desc0 + Int64(2 * (2 * blk + s2))
+                    acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
+                        frag, WGMMADescriptor[DType.bfloat16](desc), acc
+                    )
+                    wgmma_commit_group_sync()
+                    wgmma_wait_group_sync[1]()
+    wgmma_wait_group_sync[0]()
+
 @always_inline
 def _p2_tile[
     down: Bool, BM: Int, NT: Int, NWG: Int, STAGES: Int
@@ -826,46 +917,24 @@ def _p2_tile[
     var r0 = p2_row0(tid)
     var wg_active = n0 + 64 * (tid >> 7) < n_rows
     var sel = a_pair_sel(q)
-    var so0 = p2_s_row(e, n_rows, n0, r0, k_dim)
-    var so1 = p2_s_row(e, n_rows, n0, r0 + 1, k_dim)
-    var smem_addr = Int(smem)
     var acc = SIMD[DType.float32, NT // 2](0)
 
-    for kb in range(nkb):
-        async_copy_wait_group(Int32(STAGES - 3))
-        fence_async_view_proxy()
-        barrier()
-        var nxt = kb + STAGES - 2
-        if nxt < nkb:
-            _p2_issue[BM, NT, BN, THREADS, CPT](
-                smem, a_src, x_off, blocks, b_off, scales, s_off, tid, nxt % STAGES, nxt
-            )
-        async_copy_commit_group()
-        if wg_active:
-            var st = (kb % STAGES) * STAGE
-            var sw = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()
-            var win = sw.unsafe_load[width=2, alignment=8](0)
-            var sc = p2_scale_bytes(win, p2_scale_shift(so0, kb), p2_scale_shift(so1, kb))
-            var big = vote[DType.uint32](sc[0] > 128 or sc[1] > 128 or sc[2] > 128 or sc[3] > 128) != 0
-            var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
-            comptime for blk in range(2):
-                var m0 = p2_mults(sc[blk])
-                var m1 = p2_mults(sc[2 + blk])
-                var v0 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + blk) * 4)
-                var v1 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + 2 + blk) * 4)
-                comptime for s2 in range(2):
-                    var frag: SIMD[DType.bfloat16, 8]
-                    if big:
-                        frag = p2_step_frag[True](v0, v1, s2, sel, m0, m1)
-                    else:
-                        frag = p2_step_frag[False](v0, v1, s2, sel, m0, m1)
-                    wgmma_fence_aligned()
-                    var desc = wgmma_desc_sw128(smem_addr + st + 32 * (2 * blk + s2))
-                    acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
-                        frag, WGMMADescriptor[DType.bfloat16](desc), acc
-                    )
-                    wgmma_commit_group_sync()
-                    wgmma_wait_group_sync[1]()
+    # Scales above 128 (weights of magnitude >= 12 * 2^0) take a second
+    # multiply; whether any block of the warp's 16 rows has one is decided once
+    # for the whole tile (the warp's rows are one 16-row group, whose scale
+    # bytes are contiguous in the tiled layout), so the common stage body
+    # builds each multiplier with one prmt and one multiply-add.
+    var big = False
+    if wg_active:
+        big = p2_group_has_big_scale(scales, e, n_rows, n0 + (r0 & ~15), k_dim)
+    if big:
+        _p2_loop[down, BM, NT, NWG, STAGES, CPT, True](
+            smem, acc, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
+        )
+    else:
+        _p2_loop[down, BM, NT, NWG, STAGES, CPT, False](
+            smem, acc, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
+        )
     wgmma_wait_group_sync[0]()
 
     # Epilogue: D^T element (M row g | g + 8, token 8i + 2q + b) =
