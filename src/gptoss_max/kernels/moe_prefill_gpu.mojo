@@ -115,12 +115,13 @@ def cfg_stages(c: Int) -> Int:
 
 def auto_config(pairs_per_expert: Int) -> Int:
     """Tile configuration for a mean load of routed pairs per expert: the
-    H100 sweep's best (bench/results/moe_prefill_h100_20261121_p2.json):
-    p2 64-token tiles (c7) below 32 pairs per expert (120b T = 512: 76
-    TFLOP/s), p2 128 x 128 (c5) below 512 (208-301), p2 256 x 128 (c6)
-    from 512 (327-363). The p1 configs (c0..c4) stay selectable by path."""
-    if pairs_per_expert >= 512:
-        return 6
+    H100 sweeps' best. p2 64-token tiles (c7) below 32 pairs per expert (120b
+    T = 512: 76 TFLOP/s, bench/results/moe_prefill_h100_20261121_p2.json);
+    p2 128 x 128 (c5) from 32: since the tile-wide scale scan (2026-11-22) it
+    beats 256 x 128 (c6) at every measured load, 120b T = 8192 / 16384 351 /
+    368 against 308 / 347, 20b 385 / 398 against 361 / 382 TFLOP/s
+    (moe_prefill_h100_20261122_scales_sweep.json). c6 and the p1 configs
+    (c0..c4) stay selectable by path."""
     if pairs_per_expert >= 32:
         return 5
     return 7
