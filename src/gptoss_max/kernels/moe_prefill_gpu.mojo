@@ -754,7 +754,6 @@ def _p2_issue[
         )
 
 
-
 @always_inline
 def p2_group_scales(e: Int, n_rows: Int, row: Int, k_dim: Int) -> Int:
     """Byte offset of the scales of the 16-row group holding `row` (clamped to
@@ -859,6 +858,7 @@ def _p2_loop[
                     wgmma_wait_group_sync[1]()
     wgmma_wait_group_sync[0]()
 
+
 @always_inline
 def _p2_tile[
     down: Bool, BM: Int, NT: Int, NWG: Int, STAGES: Int
@@ -920,8 +920,8 @@ def _p2_tile[
     var sel = a_pair_sel(q)
     var acc = SIMD[DType.float32, NT // 2](0)
 
-    # Scales above 128 (weights of magnitude >= 12 * 2^0) take a second
-    # multiply; whether any block of the warp's 16 rows has one is decided once
+    # Scales above 128 take a second multiply (the one multiplier 2^(s-1) of
+    # the common path would overflow bf16's exponent); whether any block of the warp's 16 rows has one is decided once
     # for the whole tile (the warp's rows are one 16-row group, whose scale
     # bytes are contiguous in the tiled layout), so the common stage body
     # builds each multiplier with one prmt and one multiply-add.
@@ -936,7 +936,6 @@ def _p2_tile[
         _p2_loop[down, BM, NT, NWG, STAGES, CPT, False](
             smem, acc, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
         )
-    wgmma_wait_group_sync[0]()
 
     # Epilogue: D^T element (M row g | g + 8, token 8i + 2q + b) =
     # acc[4i + b | 4i + 2 + b] -> weight rows n0 + r0 (gate / even), + 1.
