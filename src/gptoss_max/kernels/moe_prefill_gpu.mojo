@@ -758,9 +758,9 @@ def _p2_issue[
 def p2_group_scales(e: Int, n_rows: Int, row: Int, k_dim: Int) -> Int:
     """Byte offset of the scales of the 16-row group holding `row` (clamped to
     the last group): its K / 2 bytes are contiguous and 16-byte aligned in the
-    tiled layout (blocks 2kb, 2kb + 1 of its row r at + 32 kb + 2 (r & 15))."""
-    var nb = k_dim // 32
-    return e * n_rows * nb + (min(row, n_rows - 1) >> 4) * nb * 16
+    tiled layout (blocks 2kb, 2kb + 1 of its row r at + 32 kb + 2 (r & 15)):
+    the scale offset of the group's first row."""
+    return p2_s_row(e, n_rows, 0, min(row, n_rows - 1) & ~15, k_dim)
 
 
 @always_inline
