@@ -134,12 +134,17 @@ def _mbar_fence_init():
 
 
 @always_inline
-def _bulk_copy(dst: SharedU8, src: Pointer[UInt8, _], n_bytes: Int, bar: SharedU64):
-    """Post n_bytes (a multiple of 16, 16-byte aligned both ends) on bar,
-    then copy them global -> shared; bar completes when they land."""
+def _mbar_expect(bar: SharedU64, n_bytes: Int):
+    """The one arrival on bar, announcing the n_bytes its copies will bring."""
     inlined_assembly[
         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", NoneType, constraints="r,r"
     ](bar, UInt32(n_bytes))
+
+
+@always_inline
+def _bulk_copy(dst: SharedU8, src: Pointer[UInt8, _], n_bytes: Int, bar: SharedU64):
+    """Copy n_bytes (a multiple of 16, 16-byte aligned both ends) global ->
+    shared, completing that many bytes of bar's announced count."""
     inlined_assembly[
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
         NoneType,
@@ -671,6 +676,7 @@ def gate_up_kernel[
             if lane == 0:
                 _mbar_init(gbar)
                 _mbar_fence_init()
+                _mbar_expect(gbar, nbp * 512)
                 _bulk_copy(wbulk, w_a.unsafe_bitcast[UInt8]().unsafe_offset(ca * 256 - g * 32), nbp * 512, gbar)
             syncwarp()
     # One-token steps: the tile's 16 bias values go to shared memory by
@@ -1078,7 +1084,10 @@ def down_one_token_bulk_kernel[
                 var pa = np * j // BULK_PIECES
                 var pb = np * (j + 1) // BULK_PIECES
                 comptime if j == 0:
+                    _mbar_expect(bars, np * 32 + pb * 512)
                     _bulk_copy(ssm, scales.unsafe_offset(tile * nchunks * 16 + p0 * 32), np * 32, bars)
+                else:
+                    _mbar_expect(bars + j, (pb - pa) * 512)
                 _bulk_copy(wsm + pa * 512, wsrc.unsafe_offset(pa * 512), (pb - pa) * 512, bars + j)
         syncwarp()
     var bsm = stack_allocation[MAX_TOPK * 16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
