@@ -58,26 +58,6 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         assert f"_gpu_shared_mem[{warps * 8 * 64 * 4}]" in tc
 
 
-def test_ptx_of_the_bulk_one_token_moe_kernels(asm, tmp_path):
-    """The one-token MoE kernels that stage weights by bulk copies: every bulk copy completes an
-    mbarrier that the lanes wait on before reading the bytes from shared memory."""
-    specs = [
-        "moe_gpu.down_one_token_bulk_kernel[DType.bfloat16]",
-        "moe_gpu.gate_up_kernel[DType.bfloat16, 2, True, 4, 24]",
-    ]
-    down, gate_up = asm.build_ptx(specs, tmp_path).values()
-    bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-    for k in (down, gate_up):
-        assert ".target sm_90a" in k and "mma.sync.aligned.m16n8k16" in k
-        assert bulk in k and "mbarrier.init.shared::cta.b64" in k and "mbarrier.arrive.expect_tx" in k
-        assert "mbarrier.try_wait.parity" in k and "ld.shared.v4" in k
-    # down reads all its weights from shared memory (its only global vector loads are h's);
-    # gate_up streams the first part of its tile from global memory, the rest from the copy
-    assert "L1::no_allocate" not in down and "ld.global.nc.L1::no_allocate.v4" in gate_up
-    assert down.count(bulk) == 4  # the scales + 3 pieces, unrolled
-    assert gate_up.count(bulk) == 1
-
-
 def test_opcode_counts_read_predicated_sass(asm):
     sass = """
         /*0010*/                   HMMA.16816.F32.BF16 R44, R44, R48, R52 ;

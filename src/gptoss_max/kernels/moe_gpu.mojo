@@ -49,24 +49,15 @@
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
-from max.gpu.host import DeviceContext, FuncAttribute
+from max.gpu.host import DeviceContext
 from max.gpu.intrinsics import byte_permute, threadfence
-from max.gpu.memory import (
-    AddressSpace,
-    CacheEviction,
-    async_copy,
-    async_copy_commit_group,
-    async_copy_wait_group,
-    external_memory,
-    load,
-)
+from max.gpu.memory import AddressSpace, CacheEviction, async_copy, async_copy_commit_group, async_copy_wait_group, load
 from max.gpu.primitives.warp import shuffle_idx, shuffle_xor, vote
 from max.gpu.sync import syncwarp
 from std.atomic import Atomic
 from std.bit import pop_count, count_trailing_zeros
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
-from std.sys import inlined_assembly
 from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
@@ -112,86 +103,6 @@ comptime MAX_EXPERTS = 256
 comptime MAX_K_BLOCKS = 96
 comptime TILE_SCALES = 16 * MAX_K_BLOCKS
 comptime SharedU8 = Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
-
-
-# Bulk copies (cp.async.bulk, the copy engine) into shared memory, each
-# completing an mbarrier by its byte count: the one-token down's tiles
-# (down_one_token_bulk_kernel). Shared pointers are 32-bit in PTX here.
-comptime SharedU64 = Pointer[UInt64, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
-
-
-@always_inline
-def _mbar_init(bar: SharedU64):
-    """One expected arrival (the lane that posts the byte count)."""
-    inlined_assembly["mbarrier.init.shared::cta.b64 [$0], 1;", NoneType, constraints="r"](bar)
-
-
-@always_inline
-def _mbar_fence_init():
-    """Make initialised mbarriers visible to the other lanes and to the copy engine."""
-    inlined_assembly["fence.mbarrier_init.release.cluster;", NoneType, constraints=""]()
-    inlined_assembly["fence.proxy.async.shared::cta;", NoneType, constraints=""]()
-
-
-@always_inline
-def _mbar_expect(bar: SharedU64, n_bytes: Int):
-    """The one arrival on bar, announcing the n_bytes its copies will bring."""
-    inlined_assembly[
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", NoneType, constraints="r,r"
-    ](bar, UInt32(n_bytes))
-
-
-@always_inline
-def _bulk_copy(dst: SharedU8, src: Pointer[UInt8, _], n_bytes: Int, bar: SharedU64):
-    """Copy n_bytes (a multiple of 16, 16-byte aligned both ends) global ->
-    shared, completing that many bytes of bar's announced count."""
-    inlined_assembly[
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        NoneType,
-        constraints="r,l,r,r",
-    ](dst, src, UInt32(n_bytes), bar)
-
-
-@always_inline
-def _mbar_wait(bar: SharedU64):
-    """Until bar's phase 0 has completed (each barrier serves one launch)."""
-    while True:
-        var done = inlined_assembly[
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], 0; selp.u32 $0, 1, 0, p; }",
-            UInt32,
-            constraints="=r,r",
-        ](bar)
-        if done != 0:
-            return
-
-
-@fieldwise_init
-struct Pieces(Copyable):
-    """A warp's share of a tile (np block pairs, 512 bytes each) brought
-    into shared memory by n <= 4 bulk copies, piece j = pairs [np * j / n,
-    np * (j + 1) / n) completing mbarrier bars[j] (piece 0 also brings the
-    scales, and is waited for before the first batch). n = 0: the weights
-    are read from global memory."""
-
-    var bars: SharedU64
-    var n: Int
-    var first_batch: SIMD[DType.int32, 4]  # [j]: the first batch (4 blocks) that reads piece j
-
-    @staticmethod
-    @always_inline
-    def of(bars: SharedU64, n: Int, np: Int) -> Self:
-        var fb = SIMD[DType.int32, 4](-1)
-        comptime for j in range(1, 4):
-            if j < n:
-                fb[j] = Int32((np * j // n) // 2)  # batch b reads pairs 2b and 2b + 1
-        return Self(bars, n, fb)
-
-    @always_inline
-    def wait_for(self, batch: Int):
-        """Until batch `batch`'s blocks are in shared memory (batches in order)."""
-        comptime for j in range(1, 4):
-            if Int(self.first_batch[j]) == batch:
-                _mbar_wait(self.bars.unsafe_offset(j))
 
 
 @always_inline
@@ -318,11 +229,11 @@ def _decode_block[
 
 @always_inline
 def _load_batch[
-    aspace: AddressSpace, //, slot: Int
+    slot: Int
 ](
     mut wv: Array[SIMD[DType.uint32, 4], RING],
-    w_g: Pointer[UInt32, _, address_space=aspace],
-    w_g8: Pointer[UInt32, _, address_space=aspace],
+    w_g: Pointer[UInt32, _],
+    w_g8: Pointer[UInt32, _],
     c0: Int,
     nchunks: Int,
     batch: Int,
@@ -334,18 +245,10 @@ def _load_batch[
     products are exact zeros) and no predicate sits in the load path."""
     comptime i = 2 * slot
     var c = min(4 * batch + q, nchunks - 1)
-    var off = tiled_block_offset(0, c0 + c, 0) >> 2
-    comptime if aspace == AddressSpace.SHARED:
-        # the bulk down: the tile already sits in shared memory
-        wv[i] = w_g.unsafe_load[width=4, alignment=16](off)
-        wv[i + 1] = w_g8.unsafe_load[width=4, alignment=16](off)
-    else:
-        # Streamed once: kept out of L1, which holds the activations.
-        comptime na = CacheEviction.NO_ALLOCATE
-        var ga = w_g.unsafe_address_space_cast[AddressSpace.GENERIC]()
-        var gb = w_g8.unsafe_address_space_cast[AddressSpace.GENERIC]()
-        wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](ga.unsafe_offset(off))
-        wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](gb.unsafe_offset(off))
+    # Streamed once: kept out of L1, which holds the activations.
+    comptime na = CacheEviction.NO_ALLOCATE
+    wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + (tiled_block_offset(0, c0 + c, 0) >> 2))
+    wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + (tiled_block_offset(0, c0 + c, 0) >> 2))
 
 
 @always_inline
@@ -411,12 +314,6 @@ def _load_b[
 
 
 @always_inline
-def _bytes_above_128(w: SIMD[DType.uint32, 4]) -> UInt32:
-    """Nonzero where some byte of w exceeds 128 (high bit and some low bit set)."""
-    return ((w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)).reduce_or()
-
-
-@always_inline
 def _stage_scales(s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool:
     """Warp-wide: copy the n_bytes (<= TILE_SCALES) scale bytes at s_tile into
     this warp's shared sm, and tell whether any exceeds 128 (weights of
@@ -430,7 +327,8 @@ def _stage_scales(s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool
         for i in range(lane, n_bytes >> 4, 32):
             var w = load[width=4, read_only=True, eviction_policy=na, alignment=16](v + 4 * i)
             d.unsafe_store[width=4, alignment=16](4 * i, w)
-            big |= _bytes_above_128(w)
+            # per byte: high bit set and some low bit set
+            big |= ((w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)).reduce_or()
     else:
         for i in range(lane, n_bytes, 32):
             var b = s_tile[unsafe_offset=i]
@@ -443,25 +341,23 @@ def _stage_scales(s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool
 
 @always_inline
 def _tile_loop[
-    aspace: AddressSpace, //, amode: Int, big: Bool
+    amode: Int, big: Bool
 ](
     mut wv: Array[SIMD[DType.uint32, 4], RING],
     mut sv: Array[UInt32, RING],
-    w_g: Pointer[UInt32, _, address_space=aspace],
-    w_g8: Pointer[UInt32, _, address_space=aspace],
+    w_g: Pointer[UInt32, _],
+    w_g8: Pointer[UInt32, _],
     s_g: SharedU8,
     s_g8: SharedU8,
     c0: Int,
     nchunks: Int,
     brow: Pointer[UInt32, _],
     lo_off: Int,
-    pieces: Pieces,
 ) -> SIMD[DType.float32, 4]:
     """_tile16's batches through a ring of DEPTH slots, batches 0 .. DEPTH-2
     already in flight: each step issues the weight loads DEPTH - 1 batches
     ahead and the activations one batch ahead, then decodes and multiplies
-    the oldest. Weights in shared memory (the bulk down): each batch first
-    waits for the bulk copy that brings its blocks (`pieces`)."""
+    the oldest."""
     var q = Int(lane_id()) & 3
     var nb = (nchunks + 3) // 4
     var acc0 = SIMD[DType.float32, 4](0)
@@ -478,8 +374,6 @@ def _tile_loop[
             if bt + i < nb:
                 if bt + i + DEPTH - 1 < nb:
                     comptime nxt = (i + DEPTH - 1) % DEPTH
-                    comptime if aspace == AddressSpace.SHARED:
-                        pieces.wait_for(bt + i + DEPTH - 1)
                     _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + DEPTH - 1, q)
                     _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
                 bring[(i + 1) % 2] = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
@@ -534,10 +428,9 @@ def _tile16[
     comptime for i in range(DEPTH - 1):
         if i < nb:
             _read_scales[i](sv, ss_g, ss_g8, c0, nchunks, i, q)
-    var none = Pieces(sm.unsafe_bitcast[UInt64](), 0, SIMD[DType.int32, 4](-1))
     if big:
-        return _tile_loop[amode, True](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off, none)
-    return _tile_loop[amode, False](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off, none)
+        return _tile_loop[amode, True](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
+    return _tile_loop[amode, False](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
 
 
 @always_inline
@@ -579,7 +472,7 @@ def _tile_rows(
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(_min_blocks_per_sm(warps)))
 def gate_up_kernel[
-    x_dtype: DType, warps: Int, one_token: Bool, route: Int = 0, gu_bulk: Int = 0
+    x_dtype: DType, warps: Int, one_token: Bool, route: Int = 0
 ](
     h: Pointer[Float32, MutAnyOrigin],
     counters: Pointer[UInt32, MutAnyOrigin],
@@ -658,27 +551,6 @@ def gate_up_kernel[
     var s_a = rp[2]
     var s_b = rp[3]
     var s_tile = rp[4]
-    # One-token bulk steps: the last gu_bulk pairs of blocks of the tile go to
-    # shared memory by one bulk copy now; the loop streams the others first.
-    var nbp = 0
-    comptime if gu_bulk > 0:
-        nbp = min(gu_bulk, nchunks // 2) if r0 < rows else 0
-    var ca = nchunks - 2 * nbp
-    var gsm = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=128]()
-    var wbulk = gsm.unsafe_offset(Int(warp_id()) * gu_bulk * 512).unsafe_origin_cast[MutUntrackedOrigin]()
-    var gbar = (
-        gsm.unsafe_offset(warps * gu_bulk * 512 + Int(warp_id()) * 8)
-        .unsafe_bitcast[UInt64]()
-        .unsafe_origin_cast[MutUntrackedOrigin]()
-    )
-    comptime if gu_bulk > 0:
-        if nbp > 0:
-            if lane == 0:
-                _mbar_init(gbar)
-                _mbar_fence_init()
-                _mbar_expect(gbar, nbp * 512)
-                _bulk_copy(wbulk, w_a.unsafe_bitcast[UInt8]().unsafe_offset(ca * 256 - g * 32), nbp * 512, gbar)
-            syncwarp()
     # One-token steps: the tile's 16 bias values go to shared memory by
     # cp.async now and are read after the loop, which then ends with no
     # dependent global load (T = 1 -1.1 us; with more tokens it measured
@@ -702,28 +574,8 @@ def gate_up_kernel[
         var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
         comptime amode = A_F32 if split else A_BF16
         var acc = _tile16[amode](
-            w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, sm, big, first == 0, 0, ca, xrow, 0
+            w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, sm, big, first == 0, 0, nchunks, xrow, 0
         )
-        comptime if gu_bulk > 0:
-            if nbp > 0:
-                # blocks ca .. nchunks - 1 from the bulk copy (scales: the
-                # warp's staged copy, from pair ca / 2 on)
-                _mbar_wait(gbar)
-                var b_g = wbulk.unsafe_bitcast[UInt32]().unsafe_offset(g * 8)
-                var b_g8 = b_g.unsafe_offset(64)
-                var bs_g = sm.unsafe_offset(g * 2 + (ca // 2) * 32)
-                var bs_g8 = bs_g.unsafe_offset(16)
-                var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
-                var sv = Array[UInt32, RING](fill=0)
-                var xb = xrow.unsafe_offset(ca * 16)
-                var one = Pieces(gbar, 1, SIMD[DType.int32, 4](-1))
-                comptime for i in range(DEPTH - 1):
-                    _load_batch[i](wv, b_g, b_g8, 0, 2 * nbp, i, q)
-                    _read_scales[i](sv, bs_g, bs_g8, 0, 2 * nbp, i, q)
-                if big:
-                    acc += _tile_loop[amode, True](wv, sv, b_g, b_g8, bs_g, bs_g8, 0, 2 * nbp, xb, 0, one)
-                else:
-                    acc += _tile_loop[amode, False](wv, sv, b_g, b_g8, bs_g, bs_g8, 0, 2 * nbp, xb, 0, one)
         # Rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4: the
         # even lane keeps token 2q, the odd one token 2q + 1.
         var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
@@ -972,31 +824,11 @@ def down_one_token_kernel[
         acc = _tile16[amode](
             rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
         )
-    _sum_one_token[out_dtype, ksplit](output, red, acc, bsm, wsm, vsm, top_k, r0, hidden)
-
-
-@always_inline
-def _sum_one_token[
-    out_dtype: DType, ksplit: Int
-](
-    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
-    red: Pointer[mut=True, Float32, _, address_space=AddressSpace.SHARED],
-    acc: SIMD[DType.float32, 4],
-    bsm: Pointer[Float32, _, address_space=AddressSpace.SHARED],
-    wsm: Pointer[Float32, _, address_space=AddressSpace.SHARED],
-    vsm: Pointer[Int32, _, address_space=AddressSpace.SHARED],
-    top_k: Int,
-    r0: Int,
-    hidden: Int,
-):
-    """The one-token downs' end: every warp's fragment to shared memory, then
-    thread t < 16 sums row r0 + t over the experts (bias, weight, validity
-    from bsm / wsm / vsm, filled by cp.async) in a fixed order."""
-    (red + (Int(warp_id()) * 32 + Int(lane_id())) * 4).unsafe_store[width=4, alignment=16](0, acc)
+    (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
     # Token 0 is column 0 of the fragment: lanes (g, q = 0) hold rows g
-    # (acc[0]) and g + 8 (acc[2]).
+    # (acc[0]) and g + 8 (acc[2]). Thread t < 16 sums row r0 + t.
     var t = Int(thread_idx.x)
     if t < 16:
         var r = r0 + t
@@ -1010,126 +842,6 @@ def _sum_one_token[
                         v += red[(kk * ksplit + j) * 128 + slot]
                     total += wsm[kk] * v
             output[unsafe_offset=r] = total.cast[out_dtype]()
-
-
-# The bulk one-token down: each warp's share of its tile (the pairs of blocks
-# of its half of I, and their scales) comes to shared memory by bulk copies
-# issued before any arithmetic, so all of a step's 16.6 MB (120b) is
-# requested at once instead of through 11 dependent batches per warp.
-comptime DOWN_BULK = True  # one-token steps take down_one_token_bulk_kernel
-# One-token gate_up: the last this-many pairs of blocks of each warp's tile
-# come by one bulk copy issued at the start (0: none).
-comptime GATE_UP_BULK_PAIRS = 24
-comptime BULK_PIECES = 3  # bulk copies per warp (an mbarrier each)
-comptime BULK_MAX_PAIRS = (MAX_K_BLOCKS // 2 + DOWN_KSPLIT_FEW - 1) // DOWN_KSPLIT_FEW
-comptime BULK_WARP_BYTES = BULK_MAX_PAIRS * (512 + 32)
-comptime BULK_WARPS = MAX_TOPK * DOWN_KSPLIT_FEW
-comptime BULK_SMEM = BULK_WARPS * BULK_WARP_BYTES + BULK_WARPS * BULK_PIECES * 8
-
-
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(BULK_WARPS * 32)))
-@__llvm_metadata(`nvvm.minctasm`=SIMDLength(2))
-def down_one_token_bulk_kernel[
-    out_dtype: DType
-](
-    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
-    h: Pointer[Float32, ImmutAnyOrigin],
-    ids: Pointer[Int32, ImmutAnyOrigin],
-    wts: Pointer[Float32, ImmutAnyOrigin],
-    blocks: Pointer[UInt8, ImmutAnyOrigin],
-    scales: Pointer[UInt8, ImmutAnyOrigin],
-    bias: Pointer[Float32, ImmutAnyOrigin],
-    top_k_: Int64,
-    n_experts_: Int64,
-    hidden_: Int64,
-    inter_: Int64,
-):
-    """down_one_token_kernel with the weights staged whole in shared memory:
-    warp w (pair w // 2, half w % 2 of I: whole block pairs) bulk-copies its
-    pairs and their scales in BULK_PIECES pieces, then multiplies each batch
-    once its piece has landed. Needs I % 64 == 0 and hidden % 16 == 0 (the
-    tiled layout's own conditions)."""
-    comptime ksplit = DOWN_KSPLIT_FEW
-    comptime nw = BULK_WARPS
-    var top_k = Int(top_k_)
-    var n_experts = Int(n_experts_)
-    var hidden = Int(hidden_)
-    var inter = Int(inter_)
-    comptime split = out_dtype != DType.bfloat16
-    var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=128]()
-    var red = stack_allocation[nw * 32 * 4, Float32, alignment=16, address_space=AddressSpace.SHARED]()
-    var w = Int(warp_id())
-    var lane = Int(lane_id())
-    var k = w // ksplit
-    var kw = w % ksplit
-    var r0 = Int(block_idx.x) * 16
-    var g = lane >> 2
-    var e = Int(ids[unsafe_offset=k]) if k < top_k else -1
-    var valid = e >= 0 and e < n_experts
-    var nchunks = inter // 32
-    var npairs = nchunks // 2
-    var p0 = npairs * kw // ksplit
-    var np = npairs * (kw + 1) // ksplit - p0
-    var wsm = (raw + w * BULK_WARP_BYTES).unsafe_origin_cast[MutUntrackedOrigin]()
-    var ssm = wsm + BULK_MAX_PAIRS * 512
-    var bars = (raw + nw * BULK_WARP_BYTES).unsafe_bitcast[UInt64]().unsafe_origin_cast[MutUntrackedOrigin]() + w * BULK_PIECES
-    if valid:
-        var tile = e * (hidden // 16) + r0 // 16
-        if lane == 0:
-            comptime for j in range(BULK_PIECES):
-                _mbar_init(bars + j)
-            _mbar_fence_init()
-            var wsrc = blocks.unsafe_offset(tile * nchunks * 256 + p0 * 512)
-            comptime for j in range(BULK_PIECES):
-                var pa = np * j // BULK_PIECES
-                var pb = np * (j + 1) // BULK_PIECES
-                comptime if j == 0:
-                    _mbar_expect(bars, np * 32 + pb * 512)
-                    _bulk_copy(ssm, scales.unsafe_offset(tile * nchunks * 16 + p0 * 32), np * 32, bars)
-                else:
-                    _mbar_expect(bars + j, (pb - pa) * 512)
-                _bulk_copy(wsm + pa * 512, wsrc.unsafe_offset(pa * 512), (pb - pa) * 512, bars + j)
-        syncwarp()
-    var bsm = stack_allocation[MAX_TOPK * 16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
-    var wtsm = stack_allocation[MAX_TOPK, Float32, address_space=AddressSpace.SHARED]()
-    var vsm = stack_allocation[MAX_TOPK, Int32, address_space=AddressSpace.SHARED]()
-    if kw == 0:
-        if valid and lane < 16 and r0 + lane < hidden:
-            async_copy[4](
-                bias.unsafe_offset(e * hidden + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](),
-                bsm + k * 16 + lane,
-            )
-        if valid and lane == 16:
-            async_copy[4](wts.unsafe_offset(k).unsafe_address_space_cast[AddressSpace.GLOBAL](), wtsm + k)
-        if lane == 0:
-            vsm[k] = 1 if valid else 0
-    async_copy_commit_group()
-    var acc = SIMD[DType.float32, 4](0)
-    if valid:
-        var pieces = Pieces.of(bars, BULK_PIECES, np)
-        _mbar_wait(bars)  # piece 0: the scales too
-        var big = UInt32(0)
-        for i in range(lane, np * 2, 32):
-            big |= _bytes_above_128(ssm.unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](4 * i))
-        var any_big = vote[DType.uint32](big != 0) != 0
-        var q = lane & 3
-        var nloc = 2 * np
-        var w_g = wsm.unsafe_bitcast[UInt32]() + g * 8
-        var w_g8 = w_g + 64
-        var s_g = ssm + g * 2
-        var s_g8 = s_g + 16
-        var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter + 2 * p0 * 16)
-        comptime amode = A_WORDS_SPLIT if split else A_WORDS
-        var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
-        var sv = Array[UInt32, RING](fill=0)
-        comptime for i in range(DEPTH - 1):
-            _load_batch[i](wv, w_g, w_g8, 0, nloc, i, q)
-            _read_scales[i](sv, s_g, s_g8, 0, nloc, i, q)
-        if any_big:
-            acc = _tile_loop[amode, True](wv, sv, w_g, w_g8, s_g, s_g8, 0, nloc, hrow, inter // 2, pieces)
-        else:
-            acc = _tile_loop[amode, False](wv, sv, w_g, w_g8, s_g, s_g8, 0, nloc, hrow, inter // 2, pieces)
-    _sum_one_token[out_dtype, ksplit](output, red, acc, bsm, wtsm, vsm, top_k, r0, hidden)
 
 
 def n_counters(hidden: Int) -> Int:
@@ -1161,23 +873,10 @@ def _launch_gate_up[
     var n_pairs = tokens * top_k
     if n_pairs > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
-    var grid = ((rows + warps * 16 - 1) // (warps * 16), n_pairs if one_token else min(n_experts, n_pairs))
-    comptime if one_token and x_dtype == DType.bfloat16 and GATE_UP_BULK_PAIRS > 0:
-        if hidden % 64 == 0:
-            comptime smem = warps * (GATE_UP_BULK_PAIRS * 512 + 8)
-            ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token, route, GATE_UP_BULK_PAIRS]](
-                h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
-                Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
-                grid_dim=grid,
-                block_dim=warps * 32,
-                shared_mem_bytes=smem,
-                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
-            )
-            return
     ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token, route]](
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
-        grid_dim=grid,
+        grid_dim=((rows + warps * 16 - 1) // (warps * 16), n_pairs if one_token else min(n_experts, n_pairs)),
         block_dim=warps * 32,
     )
 
@@ -1305,16 +1004,7 @@ def launch_down[
     h rounded to bf16, as the rest of a bf16 graph does."""
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0 or inter > 32 * MAX_K_BLOCKS:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0, I <= 3072")
-    if tokens == 1 and top_k <= MAX_TOPK and DOWN_BULK and out_dtype == DType.bfloat16 and inter % 64 == 0 and hidden % 16 == 0:
-        ctx.enqueue_function[down_one_token_bulk_kernel[out_dtype]](
-            output, h, ids, wts, blocks, scales, bias,
-            Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
-            grid_dim=hidden // 16,
-            block_dim=BULK_WARPS * 32,
-            shared_mem_bytes=BULK_SMEM,
-            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(BULK_SMEM)),
-        )
-    elif tokens == 1 and top_k <= MAX_TOPK:
+    if tokens == 1 and top_k <= MAX_TOPK:
         ctx.enqueue_function[down_one_token_kernel[out_dtype]](
             output, h, ids, wts, blocks, scales, bias,
             Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
