@@ -68,10 +68,6 @@ from .router_topk import warp_topk
 # 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share
 # the launch.
 comptime FEW_TOKENS = 2
-# One-token down in 8-row blocks (each lane decodes one row): 360 blocks for
-# gpt-oss instead of 180 on 132 SMs (bench/NOTES.md, v15).
-comptime DOWN_HALF_TILES = True
-comptime DOWN_HALF_BLOCKS_PER_SM = 3
 comptime GATE_UP_WARPS_FEW = 2
 comptime DOWN_WARPS_FEW = 2
 comptime DOWN_KSPLIT_FEW = 2  # both warps of a few-token down block share one tile
@@ -233,7 +229,7 @@ def _decode_block[
 
 @always_inline
 def _load_batch[
-    slot: Int, half: Bool = False
+    slot: Int
 ](
     mut wv: Array[SIMD[DType.uint32, 4], RING],
     w_g: Pointer[UInt32, _],
@@ -252,8 +248,7 @@ def _load_batch[
     # Streamed once: kept out of L1, which holds the activations.
     comptime na = CacheEviction.NO_ALLOCATE
     wv[i] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g + (tiled_block_offset(0, c0 + c, 0) >> 2))
-    comptime if not half:  # half: rows g + 8 of the fragment are zero
-        wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + (tiled_block_offset(0, c0 + c, 0) >> 2))
+    wv[i + 1] = load[width=4, read_only=True, eviction_policy=na, alignment=16](w_g8 + (tiled_block_offset(0, c0 + c, 0) >> 2))
 
 
 @always_inline
@@ -271,7 +266,7 @@ def _read_scales[
 
 @always_inline
 def _mma_batch[
-    amode: Int, big: Bool, slot: Int, half: Bool = False
+    amode: Int, big: Bool, slot: Int
 ](
     wv: Array[SIMD[DType.uint32, 4], RING],
     sv: Array[UInt32, RING],
@@ -285,9 +280,7 @@ def _mma_batch[
     comptime split = amode == A_F32 or amode == A_WORDS_SPLIT
     comptime i = 2 * slot
     var pg = _decode_block[big](wv[i], sv[i])
-    var pg8 = SIMD[DType.uint32, 16](0)
-    comptime if not half:
-        pg8 = _decode_block[big](wv[i + 1], sv[i + 1])
+    var pg8 = _decode_block[big](wv[i + 1], sv[i + 1])
     var bhi = bfrag[0]
     var blo = bfrag[1]
     comptime for t in range(8):
@@ -348,7 +341,7 @@ def _stage_scales(s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool
 
 @always_inline
 def _tile_loop[
-    amode: Int, big: Bool, half: Bool = False
+    amode: Int, big: Bool
 ](
     mut wv: Array[SIMD[DType.uint32, 4], RING],
     mut sv: Array[UInt32, RING],
@@ -381,17 +374,17 @@ def _tile_loop[
             if bt + i < nb:
                 if bt + i + DEPTH - 1 < nb:
                     comptime nxt = (i + DEPTH - 1) % DEPTH
-                    _load_batch[nxt, half](wv, w_g, w_g8, c0, nchunks, bt + i + DEPTH - 1, q)
+                    _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + DEPTH - 1, q)
                     _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
                 bring[(i + 1) % 2] = _load_b[amode](brow, lo_off, nchunks, bt + i + 1, q)
-                _mma_batch[amode, big, i, half](wv, sv, acc0, acc1, bring[i % 2])
+                _mma_batch[amode, big, i](wv, sv, acc0, acc1, bring[i % 2])
         bt += DEPTH
     return acc0 + acc1
 
 
 @always_inline
 def _tile16[
-    amode: Int, half: Bool = False
+    amode: Int
 ](
     w_g: Pointer[UInt32, _],
     w_g8: Pointer[UInt32, _],
@@ -427,7 +420,7 @@ def _tile16[
     var ss_g8 = sm + (Int(s_g8) - Int(s_tile))
     comptime for i in range(DEPTH - 1):
         if i < nb:
-            _load_batch[i, half](wv, w_g, w_g8, c0, nchunks, i, q)
+            _load_batch[i](wv, w_g, w_g8, c0, nchunks, i, q)
     # The tile's scales are staged (first pass) while those loads fly, with
     # the check for scales above 128 (rare: then a loop specialised for them).
     if first_pass:
@@ -436,8 +429,8 @@ def _tile16[
         if i < nb:
             _read_scales[i](sv, ss_g, ss_g8, c0, nchunks, i, q)
     if big:
-        return _tile_loop[amode, True, half](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
-    return _tile_loop[amode, False, half](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
+        return _tile_loop[amode, True](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
+    return _tile_loop[amode, False](wv, sv, w_g, w_g8, ss_g, ss_g8, c0, nchunks, brow, lo_off)
 
 
 @always_inline
@@ -762,11 +755,10 @@ def down_kernel[
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(MAX_TOPK * DOWN_KSPLIT_FEW * 32)))
-# 2 blocks (16 warps) per SM: the 180 tiles of gpt-oss then run in one wave;
-# 8-row blocks: 3 (the 360 half tiles in one wave).
-@__llvm_metadata(`nvvm.minctasm`=SIMDLength(DOWN_HALF_BLOCKS_PER_SM if half else 2))
+# 2 blocks (16 warps) per SM: the 180 tiles of gpt-oss then run in one wave.
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(2))
 def down_one_token_kernel[
-    out_dtype: DType, half: Bool = False
+    out_dtype: DType
 ](
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
     h: Pointer[Float32, ImmutAnyOrigin],
@@ -799,12 +791,7 @@ def down_one_token_kernel[
     var lane = Int(lane_id())
     var k = w // ksplit
     var kw = w % ksplit
-    # half: the block serves 8 rows (rows r0 - sub .. of the 16-row tile, sub =
-    # 0 or 8), each lane decodes its row g only and mma's rows g + 8 are zero:
-    # twice the blocks for an even spread over the SMs (bench/NOTES.md, v15).
-    comptime nrows = 8 if half else 16
-    var r0 = Int(block_idx.x) * nrows
-    var sub = r0 & 15
+    var r0 = Int(block_idx.x) * 16
     var g = lane >> 2
     var e = Int(ids[unsafe_offset=k]) if k < top_k else -1
     var valid = e >= 0 and e < n_experts
@@ -815,7 +802,7 @@ def down_one_token_kernel[
     var wsm = stack_allocation[MAX_TOPK, Float32, address_space=AddressSpace.SHARED]()
     var vsm = stack_allocation[MAX_TOPK, Int32, address_space=AddressSpace.SHARED]()
     if kw == 0:
-        if valid and lane < nrows and r0 + lane < hidden:
+        if valid and lane < 16 and r0 + lane < hidden:
             async_copy[4](
                 bias.unsafe_offset(e * hidden + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](),
                 bsm + k * 16 + lane,
@@ -830,22 +817,20 @@ def down_one_token_kernel[
         var nchunks = inter // 32
         var kc0 = nchunks * kw // ksplit
         var nloc = nchunks * (kw + 1) // ksplit - kc0
-        var rp = _tile_rows(
-            blocks, scales, e, hidden, r0 - sub, g + sub, r0 + g < hidden, not half and r0 + g + 8 < hidden, nchunks
-        )
+        var rp = _tile_rows(blocks, scales, e, hidden, r0, g, r0 + g < hidden, r0 + g + 8 < hidden, nchunks)
         var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter + kc0 * 16)
         comptime amode = A_WORDS_SPLIT if split else A_WORDS
         var big = False
-        acc = _tile16[amode, half](
-            rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0 + sub) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
+        acc = _tile16[amode](
+            rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
         )
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
     # Token 0 is column 0 of the fragment: lanes (g, q = 0) hold rows g
-    # (acc[0]) and g + 8 (acc[2]). Thread t < nrows sums row r0 + t.
+    # (acc[0]) and g + 8 (acc[2]). Thread t < 16 sums row r0 + t.
     var t = Int(thread_idx.x)
-    if t < nrows:
+    if t < 16:
         var r = r0 + t
         if r < hidden:
             var slot = ((t & 7) * 4) * 4 + (t >> 3) * 2
@@ -1019,14 +1004,7 @@ def launch_down[
     h rounded to bf16, as the rest of a bf16 graph does."""
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0 or inter > 32 * MAX_K_BLOCKS:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0, I <= 3072")
-    if tokens == 1 and top_k <= MAX_TOPK and DOWN_HALF_TILES and hidden % 16 == 0:
-        ctx.enqueue_function[down_one_token_kernel[out_dtype, True]](
-            output, h, ids, wts, blocks, scales, bias,
-            Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
-            grid_dim=hidden // 8,
-            block_dim=MAX_TOPK * DOWN_KSPLIT_FEW * 32,
-        )
-    elif tokens == 1 and top_k <= MAX_TOPK:
+    if tokens == 1 and top_k <= MAX_TOPK:
         ctx.enqueue_function[down_one_token_kernel[out_dtype]](
             output, h, ids, wts, blocks, scales, bias,
             Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
