@@ -100,12 +100,13 @@ def kv_bytes(case: Case) -> int:
 def build(pairs: int, ours: bool, gpu_ref):
     """q -> `pairs` chained (sliding, full) layers over one paged cache."""
     from max.dtype import DType
-    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+    from max.graph import DeviceRef, Graph, TensorType, ops
     from max.nn.attention import MHAMaskVariant
     from max.nn.kernels import flash_attention_ragged
-    from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
+    from max.nn.kv_cache import MHAKVCacheParams
 
     from gptoss_max.kernels.ops import attention_with_sinks
+    from gptoss_max.maxapi import paged_kv_dispatch_type, paged_kv_input_types, paged_kv_values
 
     cpu = DeviceRef.CPU()
     bf, u32 = DType.bfloat16, DType.uint32
@@ -115,24 +116,15 @@ def build(pairs: int, ours: bool, gpu_ref):
     )  # fmt: skip
     types = [
         TensorType(bf, ["T", N_HEADS, HEAD_DIM], gpu_ref),
-        BufferType(bf, ["P", *params.shape_per_block], gpu_ref),
-        TensorType(DType.int64, [1], cpu),  # page_stride
-        TensorType(u32, ["B"], gpu_ref),  # cache_lengths
-        TensorType(u32, ["B", "M"], gpu_ref),  # lookup_table
-        TensorType(u32, [1], cpu),  # max_prompt_length
-        TensorType(u32, [1], cpu),  # max_cache_length
+        *paged_kv_input_types(params, gpu_ref),  # blocks, page_stride, lengths, lookup, max prompt / cache
         TensorType(u32, ["B1"], gpu_ref),  # input_row_offsets
         TensorType(DType.float32, [N_HEADS], gpu_ref),  # sinks
-        TensorType(DType.int64, [4], cpu),  # MAX's attention dispatch metadata
+        paged_kv_dispatch_type(),
     ]
     name = f"attn_{'ours' if ours else 'max'}_{pairs}"
     with Graph(name, input_types=types) as g:
-        q, blocks, stride, lengths, table, mp, mc, offs, sinks, meta = g.inputs
-        kv = PagedCacheValues(
-            kv_blocks=blocks.buffer, cache_lengths=lengths.tensor, lookup_table=table.tensor,
-            max_prompt_length=mp.tensor, max_cache_length=mc.tensor, page_stride=stride.tensor,
-            attention_dispatch_metadata=meta.tensor,
-        )  # fmt: skip
+        q, *cache, offs, sinks, meta = g.inputs
+        kv = paged_kv_values(cache, meta)
         x = q.tensor
         sink_bf = ops.cast(sinks.tensor, bf)
         for _ in range(pairs):

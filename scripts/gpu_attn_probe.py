@@ -9,13 +9,14 @@ from max._kv_cache_ops import mha_decode_num_partitions
 from max.driver import CPU, Accelerator, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+from max.graph import DeviceRef, Graph, TensorType, ops
 from max.nn.attention import MHAMaskVariant
 from max.nn.kernels import flash_attention_ragged, kv_cache_store_paged_ragged
-from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
+from max.nn.kv_cache import MHAKVCacheParams
 
 from gptoss_max.kernels.ops import attention_with_sinks
 from gptoss_max.kernels.reference import round_to_bf16
+from gptoss_max.maxapi import paged_kv_dispatch_type, paged_kv_input_types, paged_kv_values
 
 spec = importlib.util.spec_from_file_location("t", "tests/test_attention_op.py")
 t = importlib.util.module_from_spec(spec)
@@ -34,22 +35,14 @@ types = [
     TensorType(f32, ["T", t.N_HEADS, t.HEAD_DIM], gpu),
     TensorType(f32, ["T", t.N_KV_HEADS, t.HEAD_DIM], gpu),
     TensorType(f32, ["T", t.N_KV_HEADS, t.HEAD_DIM], gpu),
-    BufferType(bf, ["P", *params.shape_per_block], gpu),
-    TensorType(DType.int64, [1], cpu),
-    TensorType(u32, ["B"], gpu),
-    TensorType(u32, ["B", "M"], gpu),
-    TensorType(u32, [1], cpu),
-    TensorType(u32, [1], cpu),
+    *paged_kv_input_types(params, gpu),
     TensorType(u32, ["B1"], gpu),
     TensorType(f32, [t.N_HEADS], gpu),
-    TensorType(DType.int64, [4], cpu),
+    paged_kv_dispatch_type(),
 ]
 with Graph("gpu_attn_probe", input_types=types) as g:
-    q, k, v, blocks, stride, lengths, table, mp, mc, offs, sinks, meta = g.inputs
-    kv = PagedCacheValues(kv_blocks=blocks.buffer, cache_lengths=lengths.tensor,
-                          lookup_table=table.tensor, max_prompt_length=mp.tensor,
-                          max_cache_length=mc.tensor, page_stride=stride.tensor,
-                          attention_dispatch_metadata=meta.tensor)
+    q, k, v, *cache, offs, sinks, meta = g.inputs
+    kv = paged_kv_values(cache, meta)
     layer = ops.constant(t.LAYER, u32, device=cpu)
     for which, x in enumerate((k.tensor, v.tensor)):
         kv_cache_store_paged_ragged(kv, ops.cast(x, bf), offs.tensor, layer, key_or_value=which)

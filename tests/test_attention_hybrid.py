@@ -16,15 +16,16 @@ import pytest
 )
 def test_hybrid_attention_graph_verifies(layer_type, exact, rope_impl, monkeypatch):
     from max.dtype import DType
-    from max.graph import BufferType, DeviceRef, Graph, ShardingStrategy, TensorType
-    from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
+    from max.graph import DeviceRef, Graph, ShardingStrategy, TensorType
+    from max.nn.kv_cache import MHAKVCacheParams
     from max.nn.rotary_embedding import YarnRotaryEmbedding, YarnScalingParams
 
     from gptoss_max.arch.attention import SinkAttention
     from gptoss_max.arch.exact_f32 import use_exact_f32_projections
+    from gptoss_max.maxapi import paged_kv_dispatch_type, paged_kv_input_types, paged_kv_values
 
     monkeypatch.setenv("GPTOSS_MAX_ROPE", rope_impl)  # read when the layer builds its graph
-    cpu, gpu = DeviceRef.CPU(), DeviceRef.GPU()
+    gpu = DeviceRef.GPU()
     heads, kv_heads, dim, hidden = 4, 2, 16, 32
     params = MHAKVCacheParams(dtype=DType.float32, n_kv_heads=kv_heads, head_dim=dim, num_layers=1,
                               page_size=16, devices=[gpu])  # fmt: skip
@@ -51,18 +52,13 @@ def test_hybrid_attention_graph_verifies(layer_type, exact, rope_impl, monkeypat
     u32 = DType.uint32
     types = [
         TensorType(DType.float32, ["T", hidden], gpu),
-        BufferType(DType.float32, ["P", *params.shape_per_block], gpu),
-        TensorType(u32, ["B"], gpu), TensorType(u32, ["B", "M"], gpu), TensorType(u32, [1], cpu),
-        TensorType(u32, [1], cpu), TensorType(DType.int64, [1], cpu), TensorType(DType.int64, [4], cpu),
+        *paged_kv_input_types(params, gpu),
         TensorType(u32, ["B1"], gpu),
-    ]  # fmt: skip
+        paged_kv_dispatch_type(),
+    ]
     with Graph(f"hybrid_{layer_type}", input_types=types) as g:
-        x, blocks, lengths, table, mp, mc, stride, meta, offsets = g.inputs
-        kv = PagedCacheValues(
-            kv_blocks=blocks.buffer, cache_lengths=lengths.tensor, lookup_table=table.tensor,
-            max_prompt_length=mp.tensor, max_cache_length=mc.tensor, page_stride=stride.tensor,
-            attention_dispatch_metadata=meta.tensor,
-        )  # fmt: skip
+        x, *cache, offsets, meta = g.inputs
+        kv = paged_kv_values(cache, meta)
         out = attn(x.tensor, kv, input_row_offsets=offsets.tensor)
         g.output(out)
     text = str(g._module)  # building verifies each op: the cond fails there if a branch uses the other's values

@@ -33,12 +33,13 @@ def _compile(ours: bool):
     from max.driver import CPU
     from max.dtype import DType
     from max.engine import InferenceSession
-    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+    from max.graph import DeviceRef, Graph, TensorType, ops
     from max.nn.attention import MHAMaskVariant
     from max.nn.kernels import flash_attention_ragged, kv_cache_store_paged_ragged
-    from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
+    from max.nn.kv_cache import MHAKVCacheParams
 
     from gptoss_max.kernels.ops import attention_with_sinks
+    from gptoss_max.maxapi import paged_kv_dispatch_type, paged_kv_input_types, paged_kv_values
 
     cpu = DeviceRef.CPU()
     f32, u32 = DType.float32, DType.uint32
@@ -55,27 +56,14 @@ def _compile(ours: bool):
         TensorType(f32, ["T", N_HEADS, HEAD_DIM], cpu),  # q
         TensorType(f32, ["T", N_KV_HEADS, HEAD_DIM], cpu),  # new k
         TensorType(f32, ["T", N_KV_HEADS, HEAD_DIM], cpu),  # new v
-        BufferType(f32, ["P", *params.shape_per_block], cpu),
-        TensorType(DType.int64, [1], cpu),  # page_stride
-        TensorType(u32, ["B"], cpu),  # cache_lengths
-        TensorType(u32, ["B", "M"], cpu),  # lookup_table
-        TensorType(u32, [1], cpu),  # max_prompt_length
-        TensorType(u32, [1], cpu),  # max_cache_length
+        *paged_kv_input_types(params, cpu),  # blocks, page_stride, lengths, lookup, max prompt / cache
         TensorType(u32, ["B1"], cpu),  # input_row_offsets
         TensorType(f32, [N_HEADS], cpu),  # sinks
-        TensorType(DType.int64, [4], cpu),  # MAX's attention dispatch metadata
+        paged_kv_dispatch_type(),
     ]
     with Graph(f"attention_sinks_{'ours' if ours else 'max'}", input_types=types) as graph:
-        q, k, v, blocks, stride, lengths, table, max_prompt, max_cache, offsets, sinks, meta = graph.inputs
-        kv = PagedCacheValues(
-            kv_blocks=blocks.buffer,
-            cache_lengths=lengths.tensor,
-            lookup_table=table.tensor,
-            max_prompt_length=max_prompt.tensor,
-            max_cache_length=max_cache.tensor,
-            page_stride=stride.tensor,
-            attention_dispatch_metadata=meta.tensor,
-        )
+        q, k, v, *cache, offsets, sinks, meta = graph.inputs
+        kv = paged_kv_values(cache, meta)
         layer = ops.constant(LAYER, u32, device=cpu)
         for which, x in enumerate((k.tensor, v.tensor)):
             kv_cache_store_paged_ragged(kv, x, offsets.tensor, layer, key_or_value=which)

@@ -63,11 +63,12 @@ def _build(kind: str, shape: Shape, max_rope: bool = False):
     from max.driver import CPU, Accelerator
     from max.dtype import DType
     from max.engine import InferenceSession
-    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+    from max.graph import DeviceRef, Graph, TensorType, ops
     from max.nn.kernels import rope_split_store_ragged
-    from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
+    from max.nn.kv_cache import MHAKVCacheParams
 
     from gptoss_max.kernels.ops import attention_rope_with_sinks, attention_with_sinks
+    from gptoss_max.maxapi import paged_kv_dispatch_type, paged_kv_input_types, paged_kv_values
 
     device = Accelerator() if kind == "gpu" else CPU()
     dev, cpu = DeviceRef.from_device(device), DeviceRef.CPU()
@@ -80,24 +81,15 @@ def _build(kind: str, shape: Shape, max_rope: bool = False):
     types = [
         TensorType(f32, ["T", shape.qkv_width], dev),
         TensorType(f32, [N_POS, shape.head_dim], dev),
-        BufferType(dtype, ["P", *params.shape_per_block], dev),
-        TensorType(DType.int64, [1], cpu),  # page_stride
-        TensorType(u32, ["B"], dev),  # cache_lengths
-        TensorType(u32, ["B", "M"], dev),  # lookup_table
-        TensorType(u32, [1], cpu),  # max_prompt_length
-        TensorType(u32, [1], cpu),  # max_cache_length
+        *paged_kv_input_types(params, dev),  # blocks, page_stride, lengths, lookup, max prompt / cache
         TensorType(u32, ["B1"], dev),  # input_row_offsets
         TensorType(f32, [shape.n_heads], dev),  # sinks
-        TensorType(DType.int64, [4], cpu),  # MAX's attention dispatch metadata
+        paged_kv_dispatch_type(),
     ]
     name = f"attention_rope_{shape.name}_{kind}{'_max' if max_rope else ''}"
     with Graph(name, input_types=types) as graph:
-        qkv, table, blocks, stride, lengths, lookup, max_prompt, max_cache, offsets, sinks, meta = graph.inputs
-        kv = PagedCacheValues(
-            kv_blocks=blocks.buffer, cache_lengths=lengths.tensor, lookup_table=lookup.tensor,
-            max_prompt_length=max_prompt.tensor, max_cache_length=max_cache.tensor, page_stride=stride.tensor,
-            attention_dispatch_metadata=meta.tensor,
-        )  # fmt: skip
+        qkv, table, *cache, offsets, sinks, meta = graph.inputs
+        kv = paged_kv_values(cache, meta)
         x, freqs = ops.cast(qkv.tensor, dtype), ops.cast(table.tensor, dtype)
         scale = shape.head_dim**-0.5
         outs = []

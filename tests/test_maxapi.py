@@ -183,3 +183,30 @@ def test_memory_estimator_reads_the_device_free_figure():
     assert 'stats["free_memory"]' in inspect.getsource(est.MemoryEstimator._free_memory)
     assert "device_memory_utilization" in inspect.getsource(est.MemoryEstimator.plan_from_sizes)
     assert maxapi.MEMORY_MANAGER_SIZE_ENV == "MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT"
+
+
+def test_paged_kv_graph_inputs_round_trip():
+    """The paged-cache graph inputs the attention tests and benches declare: six cache tensors
+    in a fixed order, read back into MAX's PagedCacheValues field by field."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph
+    from max.nn.kv_cache import MHAKVCacheParams, PagedCacheValues
+
+    cpu = DeviceRef.CPU()
+    params = MHAKVCacheParams(dtype=DType.bfloat16, n_kv_heads=2, head_dim=16, num_layers=3, page_size=8, devices=[cpu])
+    types = maxapi.paged_kv_input_types(params, cpu)
+    assert len(types) == 6
+    assert list(types[0].shape)[1:] == [2, 3, 8, 2, 16] and types[0].dtype == DType.bfloat16
+    assert [t.dtype for t in types[1:]] == [DType.int64] + [DType.uint32] * 4
+    assert [len(t.shape) for t in types[1:]] == [1, 1, 2, 1, 1]
+    dispatch = maxapi.paged_kv_dispatch_type()
+    assert dispatch.dtype == DType.int64 and list(dispatch.shape) == [4]
+    with Graph("paged_kv_inputs", input_types=[*types, dispatch]) as g:
+        *cache, meta = g.inputs
+        kv = maxapi.paged_kv_values(cache, meta)
+        assert type(kv).__name__ == PagedCacheValues.__name__
+        assert kv.kv_blocks is cache[0].buffer
+        assert kv.page_stride is cache[1].tensor and kv.cache_lengths is cache[2].tensor
+        assert kv.lookup_table is cache[3].tensor
+        assert kv.max_prompt_length is cache[4].tensor and kv.max_cache_length is cache[5].tensor
+        assert kv.attention_dispatch_metadata is meta.tensor

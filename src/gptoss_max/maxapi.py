@@ -123,6 +123,52 @@ def model_abi_buffers(inputs: Any) -> tuple[Any, ...]:
     return (inputs.tokens, inputs.return_n_logits, *offsets, *inputs.signal_buffers, *kv)
 
 
+def paged_kv_input_types(params: Any, device: Any) -> list[Any]:
+    """Graph input types of MAX 26.7's paged KV cache for a graph that takes the cache as inputs
+    (the attention tests, bench/attention.py, scripts/gpu_attn_probe.py): kv_blocks,
+    page_stride, cache_lengths, lookup_table, max_prompt_length, max_cache_length, in that
+    order (`paged_kv_values` reads them back). The per-page block layout is
+    `params.shape_per_block` ([2, layers, page_size, kv_heads, head_dim]); the counters and the
+    stride live on the host."""
+    from max.dtype import DType
+    from max.graph import BufferType, DeviceRef, TensorType
+
+    cpu, u32 = DeviceRef.CPU(), DType.uint32
+    return [
+        BufferType(params.dtype, ["P", *params.shape_per_block], device),
+        TensorType(DType.int64, [1], cpu),
+        TensorType(u32, ["B"], device),
+        TensorType(u32, ["B", "M"], device),
+        TensorType(u32, [1], cpu),
+        TensorType(u32, [1], cpu),
+    ]
+
+
+def paged_kv_dispatch_type() -> Any:
+    """Graph input type of MAX 26.7's attention dispatch metadata (int64[4], on the host)."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType
+
+    return TensorType(DType.int64, [4], DeviceRef.CPU())
+
+
+def paged_kv_values(cache_inputs: Any, dispatch: Any) -> Any:
+    """MAX's `PagedCacheValues` from the graph inputs `paged_kv_input_types` declared (six, in
+    its order) and the dispatch metadata input."""
+    from max.nn.kv_cache import PagedCacheValues
+
+    blocks, stride, lengths, table, max_prompt, max_cache = cache_inputs
+    return PagedCacheValues(
+        kv_blocks=blocks.buffer,
+        cache_lengths=lengths.tensor,
+        lookup_table=table.tensor,
+        max_prompt_length=max_prompt.tensor,
+        max_cache_length=max_cache.tensor,
+        page_stride=stride.tensor,
+        attention_dispatch_metadata=dispatch.tensor,
+    )
+
+
 __all__ = [
     "MEMORY_MANAGER_DEFAULT_SHARE",
     "MEMORY_MANAGER_SIZE_ENV",
@@ -130,6 +176,9 @@ __all__ = [
     "kv_occupancy",
     "max_memory_estimation",
     "memory_manager_share",
+    "paged_kv_dispatch_type",
+    "paged_kv_input_types",
+    "paged_kv_values",
     "plan_with_free_memory",
     "PIPELINE_REGISTRY",
     "GenerateIterator",
