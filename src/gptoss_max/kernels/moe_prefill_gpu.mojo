@@ -799,7 +799,7 @@ def p2_row_mults[BIG: Bool](win: UInt32, j: Int) -> SIMD[DType.uint32, 2]:
 
 @always_inline
 def _p2_loop[
-    down: Bool, BM: Int, NT: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool
+    BM: Int, NT: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool
 ](
     smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     mut acc: SIMD[DType.float32, NT // 2],
@@ -929,11 +929,11 @@ def _p2_tile[
     if wg_active:
         big = p2_group_has_big_scale(scales, e, n_rows, n0 + (r0 & ~15), k_dim)
     if big:
-        _p2_loop[down, BM, NT, NWG, STAGES, CPT, True](
+        _p2_loop[BM, NT, NWG, STAGES, CPT, True](
             smem, acc, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
         )
     else:
-        _p2_loop[down, BM, NT, NWG, STAGES, CPT, False](
+        _p2_loop[BM, NT, NWG, STAGES, CPT, False](
             smem, acc, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
         )
 
