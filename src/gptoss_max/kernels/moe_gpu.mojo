@@ -54,7 +54,7 @@ from max.gpu.intrinsics import byte_permute, threadfence
 from max.gpu.memory import AddressSpace, CacheEviction, async_copy, async_copy_commit_group, async_copy_wait_group, load
 from max.gpu.primitives.warp import shuffle_idx, shuffle_xor, vote
 from max.gpu.sync import syncwarp
-from std.atomic import Atomic
+from std.atomic import Atomic, Ordering
 from std.bit import pop_count, count_trailing_zeros
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
@@ -732,7 +732,10 @@ def down_kernel[
     threadfence()
     barrier()
     if tid == 0:
-        var old = Atomic.fetch_add(counters.unsafe_offset(Int(block_idx.x)), 1)
+        # relaxed: the threadfence above (every thread's partials, before the
+        # barrier) and the one below order it; a sequentially consistent
+        # atomic adds a system-scope fence
+        var old = Atomic.fetch_add[ordering=Ordering.RELAXED](counters.unsafe_offset(Int(block_idx.x)), 1)
         last[0] = 1 if Int(old) == n_active - 1 else 0
     barrier()
     if last[0] == 0:

@@ -56,7 +56,7 @@ from max.gpu.memory import (
     fence_async_view_proxy,
 )
 from max.gpu.primitives.warp import vote
-from std.atomic import Atomic
+from std.atomic import Atomic, Ordering
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
 from std.sys import is_gpu
@@ -66,6 +66,7 @@ from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
 
 comptime ROUTE_THREADS = 1024
+comptime ROUTE_BATCH = 8  # id loads a route thread has in flight
 comptime PREFILL_MAX_EXPERTS = 256
 # Prefill takes over from the decode kernel at this many routed pairs per
 # expert (T * K / E) and this many pairs in all; measured by bench/moe.py
@@ -239,6 +240,19 @@ def find_tile(ts: Pointer[Int32, _], n_experts: Int, n_tiles_n: Int, b: Int) -> 
     return res
 
 
+@always_inline
+def _route_batch(ids: Pointer[Int32, ImmutAnyOrigin], n_pairs: Int, p0: Int) -> SIMD[DType.int32, ROUTE_BATCH]:
+    """Expert ids of pairs p0 + i * ROUTE_THREADS (i < ROUTE_BATCH), -1 past
+    the end: all loads issued before any use, so a thread waits one round
+    trip per batch, not per pair."""
+    var e = SIMD[DType.int32, ROUTE_BATCH](-1)
+    comptime for i in range(ROUTE_BATCH):
+        var p = p0 + i * ROUTE_THREADS
+        if p < n_pairs:
+            e[i] = ids[unsafe_offset=p]
+    return e
+
+
 def route_kernel(
     meta: Pointer[Int32, MutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
@@ -248,7 +262,9 @@ def route_kernel(
 ):
     """One block: meta (layout above) from topk ids [P]. Ids outside [0, E)
     are left out. Order inside an expert is arrival order (any order gives
-    the same results, see the header)."""
+    the same results, see the header). The shared-memory counters take
+    relaxed atomics: the barriers order the passes (a sequentially
+    consistent one put a system-scope fence before every atomic)."""
     var n_pairs = Int(n_pairs_)
     var n_experts = Int(n_experts_)
     var bm = Int(bm_)
@@ -258,10 +274,12 @@ def route_kernel(
     for i in range(tid, n_experts, ROUTE_THREADS):
         cnt[unsafe_offset=i] = 0
     barrier()
-    for p in range(tid, n_pairs, ROUTE_THREADS):
-        var e = Int(ids[unsafe_offset=p])
-        if e >= 0 and e < n_experts:
-            _ = Atomic.fetch_add(cnt.unsafe_offset(e), 1)
+    for p0 in range(tid, n_pairs, ROUTE_THREADS * ROUTE_BATCH):
+        var eb = _route_batch(ids, n_pairs, p0)
+        comptime for i in range(ROUTE_BATCH):
+            var e = Int(eb[i])
+            if e >= 0 and e < n_experts:
+                _ = Atomic.fetch_add[ordering=Ordering.RELAXED](cnt.unsafe_offset(e), 1)
     barrier()
     if tid == 0:
         var o = 0
@@ -277,12 +295,13 @@ def route_kernel(
         meta[unsafe_offset=2 * n_experts + 1] = Int32(t)
     barrier()
     var sorted = meta.unsafe_offset(2 * n_experts + 2)
-    for p in range(tid, n_pairs, ROUTE_THREADS):
-        var e = Int(ids[unsafe_offset=p])
-        if e >= 0 and e < n_experts:
-            var pos = Atomic.fetch_add(cur.unsafe_offset(e), 1)
-            sorted[unsafe_offset=Int(pos)] = Int32(p)
-
+    for p0 in range(tid, n_pairs, ROUTE_THREADS * ROUTE_BATCH):
+        var eb = _route_batch(ids, n_pairs, p0)
+        comptime for i in range(ROUTE_BATCH):
+            var e = Int(eb[i])
+            if e >= 0 and e < n_experts:
+                var pos = Atomic.fetch_add[ordering=Ordering.RELAXED](cur.unsafe_offset(e), 1)
+                sorted[unsafe_offset=Int(pos)] = Int32(p0 + i * ROUTE_THREADS)
 
 
 @always_inline
