@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Dense bf16 GEMV of a decode step: our op (kernels/gemv.mojo, both variants) against the
-path the model uses today (MAX's matmul of x and W^T plus the bias) and the bandwidth roofline
-(issue 9: in a 120b batch-1 step MAX runs qkv and o_proj at ~2.4 TB/s, bench/NOTES.md).
+"""Dense bf16 projections of a decode step: our op (kernels/gemv.mojo: the warp-per-row
+variants for T <= 2, the tensor-core one for T <= 64) against the path the model uses today
+(MAX's matmul of x and W^T plus the bias) and the bandwidth roofline (issue 9: in a 120b batch-1
+step MAX runs qkv and o_proj at ~2.4 TB/s, at batch 8 its sm90 matmul at ~1 TB/s, bench/NOTES.md).
 
-For gpt-oss's shapes (qkv 2880 -> 5120, o_proj 4096 -> 2880, router 2880 -> 128) and T = 1, 2:
-  ours_staged_us / ours_regs_us / max_us
+For gpt-oss's shapes (qkv 2880 -> 5120, o_proj 4096 -> 2880, router 2880 -> 128) and each T:
+  staged_us / regs_us / tc_us / max_us
       one projection: the slope of CUDA-event time between a graph of 1 and of 1 + chain
       projections (launch and host costs of a graph cancel), each projection reading its own
       weight, the weights rotated over two pools per graph so every read misses L2 (not the
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import copy_bandwidth, finish, open_gpu, result_header  # noqa: E402  (bench/moe.py)
 
 SHAPES = {"qkv": (2880, 5120), "o_proj": (4096, 2880), "router": (2880, 128)}  # K, N
-VARIANTS = ("staged", "regs", "max")
+VARIANTS = ("staged", "regs", "tc", "max")
+MAX_TOKENS = {"staged": 2, "regs": 2, "tc": 64, "max": 1 << 30}  # the GPU bound of each variant
 REL_TOL = 1e-2  # bf16 output
 
 
@@ -56,7 +58,7 @@ def projection_forward(variant: str, layers: int):
             if variant == "max":  # what the model's Linear does today
                 outs.append(ops.matmul(x, ops.transpose(w, 0, 1)) + b)
             else:
-                outs.append(our_ops.gemv(x, w, b, staged=variant == "staged"))
+                outs.append(our_ops.gemv(x, w, b, staged=variant == "staged", tc=variant == "tc"))
         return outs
 
     return forward
@@ -92,7 +94,8 @@ def median_ms(gpu, model, pools: list, reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
-    ap.add_argument("--tokens", default="1,2", help="comma list of token counts (ours takes <= 2)")
+    ap.add_argument("--tokens", default="1,2,4,8,16,64", help="comma list of token counts")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     ap.add_argument("--chain", type=int, default=15, help="extra projections for the slope (default 15)")
     ap.add_argument("--reps", type=int, default=30, help="timed executions per graph (median taken)")
     ap.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
@@ -101,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from max.driver import Buffer
 
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     gpu = open_gpu(torch, "bench/gemv.py")
     copy_tb_s = copy_bandwidth(torch)
     print(f"device {gpu.gpu_name}; copy {copy_tb_s:.2f} TB/s (read + write)", flush=True)
@@ -123,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         ws = [torch.randn(n, k, generator=gen, device="cuda").div_(k**0.5).bfloat16() for _ in range(2 * big)]
         bs = [torch.randn(n, generator=gen, device="cuda").bfloat16() for _ in range(2 * big)]
         models = {v: (gpu.session.load(build(v, 1, k, n, gpu.dref)), gpu.session.load(build(v, big, k, n, gpu.dref)))
-                  for v in VARIANTS}  # fmt: skip
+                  for v in variants}  # fmt: skip
         for tokens in [int(t) for t in args.tokens.split(",")]:
             x = torch.randn(tokens, k, generator=gen, device="cuda").bfloat16()
             want = x.double() @ ws[0].double().T + bs[0].double()
             row = {"shape": shape, "k": k, "n": n, "tokens": tokens}
             for v, (small, chained) in models.items():
+                if tokens > MAX_TOKENS[v]:
+                    continue
                 (got,) = small.execute(buf(x), buf(ws[0]), buf(bs[0]))
                 got = torch.from_dlpack(got).double()
                 err = ((got - want).norm() / want.norm()).item()
@@ -146,15 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{v}_us"] = round(us, 2)
             nbytes = 2 * (n * k + tokens * k + n + tokens * n)
             row["roofline_us"] = round(nbytes / (copy_tb_s * 1e12) * 1e6, 2)
-            row["bw_frac_staged"] = round(row["roofline_us"] / row["staged_us"], 3)
-            row["bw_frac_max"] = round(row["roofline_us"] / row["max_us"], 3)
+            for v in variants:
+                if f"{v}_us" in row:
+                    row[f"bw_frac_{v}"] = round(row["roofline_us"] / row[f"{v}_us"], 3)
             rows.append(row)
             save()
-            print(
-                f"{shape:7s} T={tokens}  staged {row['staged_us']:7.2f}  regs {row['regs_us']:7.2f}  "
-                f"MAX {row['max_us']:7.2f}  roof {row['roofline_us']:6.2f} us",
-                flush=True,
-            )
+            timed = "  ".join(f"{v} {row[f'{v}_us']:7.2f}" for v in variants if f"{v}_us" in row)
+            print(f"{shape:7s} T={tokens:<3d} {timed}  roof {row['roofline_us']:6.2f} us", flush=True)
 
     save()
     return finish(path, failures)

@@ -17,8 +17,8 @@ def test_every_variant_projects_the_same(tmp_path) -> None:
     from max.graph import ops as gops
 
     bench = load_script("bench/gemv.py", "bench_gemv")
-    assert set(bench.VARIANTS) == {"staged", "regs", "max"}
-    k, n, layers = 16, 8, 2
+    assert set(bench.VARIANTS) == {"staged", "regs", "tc", "max"}
+    k, n, layers = 32, 8, 2  # K % 32 == 0: the tensor-core variant
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, k)).astype(np.float32)
     wb = []

@@ -1,5 +1,6 @@
 """The bf16 GEMV op (kernels/gemv.mojo) against a float64 NumPy reference of the same bf16
-inputs, on the CPU (and on a GPU where one is present, within its T <= 2 bound)."""
+inputs, on the CPU (and on a GPU where one is present, within its bounds: T <= 2 for the
+warp-per-row kernels, T <= 64 for the tensor-core one)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,53 @@ def test_gemv_matches_float64(gemv_model, tokens, n, k) -> None:
     xb, wb, bb = (reference.round_to_bf16(a).astype(np.float64) for a in (x, w, b))
     want = xb @ wb.T + bb
     for y in model.execute(*args):  # staged, then registers (the same on the CPU)
-        got = y.to(CPU()).to_numpy()
-        assert got.shape == (tokens, n)
-        assert np.all(np.isfinite(got))
-        # the output is rounded to bf16 (relative 2^-9) after an f32 sum
-        np.testing.assert_allclose(got, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+        _check(y.to(CPU()).to_numpy(), want)
+
+
+def _check(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got))
+    # the output is rounded to bf16 (relative 2^-9) after an f32 sum
+    np.testing.assert_allclose(got, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+
+
+@pytest.fixture(scope="module", params=op_devices())
+def gemv_tc_model(request):
+    from max.dtype import DType
+    from max.graph import TensorType
+    from max.graph import ops as gops
+
+    from gptoss_max.kernels import ops
+
+    def forward(x, w, b):
+        bf = DType.bfloat16
+        return gops.cast(ops.gemv(gops.cast(x, bf), gops.cast(w, bf), gops.cast(b, bf), tc=True), DType.float32)
+
+    def types(ref):
+        return [TensorType(DType.float32, dims, ref) for dims in (["T", "K"], ["N", "K"], ["N"])]
+
+    return request.param, *load_op_graph(request.param, "gemv_tc", forward, types)
+
+
+# tokens, n, k: every n-tile width the GPU path instantiates (T <= 8, 16, 32, 64), rows not a
+# multiple of 16, K of 1..128 chunks of 32 (chunks not a multiple of the warps over K), and row
+# counts that take each warps-per-block choice (16 / 8 / 4 warps from 64 / 264 row blocks)
+TC_CASES = [(1, 40, 256), (3, 33, 352), (8, 64, 2880), (9, 17, 96), (16, 1030, 64), (20, 7, 32),
+            (33, 48, 1024), (64, 5, 4096), (2, 4240, 128), (64, 4230, 64)]  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens, n, k", TC_CASES, ids=lambda v: str(v))
+def test_gemv_tensor_cores_match_float64(gemv_tc_model, tokens, n, k) -> None:
+    from max.driver import CPU, Buffer
+
+    kind, device, model = gemv_tc_model
+    rng = np.random.default_rng(tokens * 7919 + n * 31 + k)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    (y,) = model.execute(*[Buffer.from_numpy(a).to(device) for a in (x, w, b)])
+    xb, wb, bb = (reference.round_to_bf16(a).astype(np.float64) for a in (x, w, b))
+    _check(y.to(CPU()).to_numpy(), xb @ wb.T + bb)
 
 
 def test_gemv_refuses_wrong_dtype_and_odd_k() -> None:
@@ -70,3 +113,6 @@ def test_gemv_refuses_wrong_dtype_and_odd_k() -> None:
         build(DType.float32, 8)
     with pytest.raises(ValueError, match="K % 8"):
         build(DType.bfloat16, 12)
+    with pytest.raises(ValueError, match="K % 32"):
+        types = [TensorType(DType.bfloat16, d, cpu) for d in ([1, 48], [4, 48], [4])]
+        Graph("gemv_bad_tc", forward=lambda x, w, b: ops.gemv(x, w, b, tc=True), input_types=types)

@@ -25,10 +25,14 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",
         "moe_gpu.gate_up_kernel[DType.bfloat16, 2, True, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4, True, DType.bfloat16]",
+        "gemv.skinny_kernel[8, 8]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope = ptx.values()
+    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny = ptx.values()
+    # the tensor-core projection: bf16 mma on 8 n tiles, the warps' partials met in shared memory
+    assert ".entry" in skinny and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in skinny
+    assert "bar.sync" in skinny
     assert ".entry" in gemv and "cp.async" in gemv and "shfl.sync.bfly" in gemv
     # the fused router: its row's loads, one block reduction of the norm, an approximate rsqrt
     assert ".entry" in router and "bar.sync" in router and "rsqrt.approx" in router

@@ -2,7 +2,8 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from layout import coord_to_index_list
 from max.algorithm import elementwise
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, lane_id, warp_id
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, lane_id, warp_id
+from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.memory import AddressSpace, CacheEviction, async_copy, async_copy_commit_group, async_copy_wait_group, load
 from max.gpu.primitives.warp import shuffle_xor
@@ -107,6 +108,144 @@ def gemv_kernel[
             y[unsafe_offset=t * n + row] = (acc[t] + b).cast[DType.bfloat16]()
 
 
+# Tensor-core path (the op's `tc` parameter): y = x W^T + b for up to
+# SKINNY_MAX_TOKENS tokens, the MoE decode kernel's mma layout without the
+# decode. Why: in a 120b batch-8 step MAX runs qkv / o_proj / the router with
+# its sm90 matmul at 30.7 / 21.8 / 13.4 us per layer, against ~10 / 8 / 0.3
+# us of weight bytes at the copy bandwidth (bench/NOTES.md).
+#   A block owns 16 weight rows (mma M) and its warps split K: warp w takes
+#   32-element chunks w, w + WARPS, ...; lane (g = lane / 4, q = lane % 4)
+#   loads 16 bytes of rows g and g + 8 at k = 32c + 8q (A) and 16 bytes of
+#   token 8j + g at the same k (B, n tile j): both operands carry the same
+#   permutation of k inside the chunk, so the dot products are exact sums
+#   over k. DEPTH chunks' loads are issued before their math.
+#   The warps' f32 partials meet in shared memory; warp 0 sums them in warp
+#   order (deterministic), adds the bias and stores bf16.
+comptime SKINNY_MAX_TOKENS = 64
+
+
+@always_inline
+def skinny_depth(nt: Int) -> Int:
+    """Chunks in flight per warp for nt n tiles of 8 tokens (registers)."""
+    return 4 if nt <= 2 else 2
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(32 * WARPS)))
+def skinny_kernel[
+    NT: Int, WARPS: Int
+](
+    y: Pointer[BFloat16, MutAnyOrigin],
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    t_: Int64,
+    n_: Int64,
+    k_: Int64,
+):
+    """NT n tiles (tokens <= 8 NT), WARPS warps per 16-row block; K % 32 == 0."""
+    comptime DEPTH = skinny_depth(NT)
+    var tokens = Int(t_)
+    var n = Int(n_)
+    var k = Int(k_)
+    var lane = Int(lane_id())
+    var wid = Int(warp_id())
+    var g = lane >> 2
+    var q = lane & 3
+    var r0 = Int(block_idx.x) * 16
+    var nchunks = k // 32
+    var wa = w.unsafe_offset(min(r0 + g, n - 1) * k + 8 * q)
+    var wb = w.unsafe_offset(min(r0 + g + 8, n - 1) * k + 8 * q)
+    var xr = Array[Pointer[BFloat16, ImmutAnyOrigin], NT](fill=x)
+    comptime for j in range(NT):
+        xr[j] = x.unsafe_offset(min(8 * j + g, tokens - 1) * k + 8 * q)
+    var acc = Array[SIMD[DType.float32, 4], NT](fill=SIMD[DType.float32, 4](0))
+    var c0 = wid
+    while c0 < nchunks:
+        var av = Array[SIMD[DType.uint32, 4], 2 * DEPTH](fill=SIMD[DType.uint32, 4](0))
+        var bv = Array[SIMD[DType.uint32, 4], NT * DEPTH](fill=SIMD[DType.uint32, 4](0))
+        comptime for d in range(DEPTH):
+            # chunks past the row's end repeat the last one with zero weights
+            var c = min(c0 + d * WARPS, nchunks - 1)
+            av[2 * d] = load[width=4, read_only=True, eviction_policy=CacheEviction.NO_ALLOCATE, alignment=16](
+                wa.unsafe_offset(32 * c).unsafe_bitcast[UInt32]()
+            )
+            av[2 * d + 1] = load[width=4, read_only=True, eviction_policy=CacheEviction.NO_ALLOCATE, alignment=16](
+                wb.unsafe_offset(32 * c).unsafe_bitcast[UInt32]()
+            )
+            comptime for j in range(NT):
+                bv[NT * d + j] = xr[j].unsafe_offset(32 * c).unsafe_bitcast[UInt32]().unsafe_load[
+                    width=4, alignment=16
+                ](0)
+        comptime for d in range(DEPTH):
+            if c0 + d * WARPS < nchunks:
+                comptime for s in range(2):
+                    var a = bitcast[DType.bfloat16, 8](
+                        SIMD[DType.uint32, 4](
+                            av[2 * d][2 * s], av[2 * d + 1][2 * s], av[2 * d][2 * s + 1], av[2 * d + 1][2 * s + 1]
+                        )
+                    )
+                    comptime for j in range(NT):
+                        var b = bitcast[DType.bfloat16, 4](
+                            SIMD[DType.uint32, 2](bv[NT * d + j][2 * s], bv[NT * d + j][2 * s + 1])
+                        )
+                        mma(acc[j], a, b, acc[j])
+        c0 += DEPTH * WARPS
+    # the warps' partials -> warp 0, summed in warp order
+    comptime if WARPS > 1:
+        var red = stack_allocation[WARPS * NT * 128, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+        if wid != 0:
+            comptime for j in range(NT):
+                red.unsafe_offset(((wid * NT + j) * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc[j])
+        barrier()
+        if wid != 0:
+            return
+        for v in range(1, WARPS):
+            comptime for j in range(NT):
+                acc[j] += red.unsafe_offset(((v * NT + j) * 32 + lane) * 4).unsafe_load[width=4, alignment=16](0)
+    # lane (g, q): rows r0 + g (acc 0, 1) and r0 + g + 8 (acc 2, 3), tokens 8j + 2q, + 1
+    comptime for h in range(2):
+        var r = r0 + g + 8 * h
+        if r < n:
+            var b = bias[unsafe_offset=r].cast[DType.float32]()
+            comptime for j in range(NT):
+                comptime for z in range(2):
+                    var t = 8 * j + 2 * q + z
+                    if t < tokens:
+                        y[unsafe_offset=t * n + r] = (acc[j][2 * h + z] + b).cast[DType.bfloat16]()
+
+
+def _launch_skinny[
+    NT: Int
+](
+    ctx: DeviceContext,
+    y: Pointer[BFloat16, MutAnyOrigin],
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    tokens: Int,
+    n: Int,
+    k: Int,
+) raises:
+    """More warps over K when the row blocks are few: qkv's 320 blocks of
+    4 warps, o_proj's 180 of 8 and the router's 8 of 16 put 1.3k-1.4k warps
+    (the router all it has) on the GPU in one wave."""
+    var blocks = (n + 15) // 16
+    if blocks >= 264:
+        ctx.enqueue_function[skinny_kernel[NT, 4]](
+            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=128
+        )
+    elif blocks >= 64:
+        ctx.enqueue_function[skinny_kernel[NT, 8]](
+            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=256
+        )
+    else:
+        # 16 warps' partials of 8 n tiles would take 64 KB of shared memory
+        comptime W = 16 if NT <= 4 else 8
+        ctx.enqueue_function[skinny_kernel[NT, W]](
+            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=32 * W
+        )
+
+
 def _launch[
     tokens: Int, staged: Bool
 ](
@@ -140,13 +279,15 @@ struct Gemv:
       w     [N, K]   weight (MAX Linear's layout)
       bias  [N]
     K % 8 == 0. GPU: T <= 2 and K <= 4096 (the caller dispatches larger
-    steps to a matmul); CPU: any T and K.
+    steps to a matmul), or with `tc` (tensor cores) T <= 64 and K % 32 == 0;
+    CPU: any T and K.
     """
 
     @staticmethod
     def execute[
         target: StaticString,
         staged: Bool,
+        tc: Bool,
     ](
         y: OutputTensor[dtype=DType.bfloat16, rank=2, ...],
         x: InputTensor[dtype=DType.bfloat16, rank=2, ...],
@@ -168,6 +309,18 @@ struct Gemv:
         var wp = w.unsafe_ptr()
         var bp = bias.unsafe_ptr()
 
+        comptime if target == "gpu" and tc:
+            if tokens > SKINNY_MAX_TOKENS or k % 32 != 0:
+                raise Error("gptoss_gemv GPU tensor-core path: needs T <= 64 and K % 32 == 0")
+            if tokens <= 8:
+                _launch_skinny[1](ctx, yp, xp, wp, bp, tokens, n, k)
+            elif tokens <= 16:
+                _launch_skinny[2](ctx, yp, xp, wp, bp, tokens, n, k)
+            elif tokens <= 32:
+                _launch_skinny[4](ctx, yp, xp, wp, bp, tokens, n, k)
+            else:
+                _launch_skinny[8](ctx, yp, xp, wp, bp, tokens, n, k)
+            return
         comptime if target == "gpu":
             if tokens > GEMV_MAX_TOKENS or k > GEMV_MAX_CHUNKS * 256:
                 raise Error("gptoss_gemv GPU path: needs T <= 2 and K <= 4096")

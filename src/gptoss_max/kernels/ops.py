@@ -300,12 +300,12 @@ def router_decode(
     return h.tensor, xn.tensor, logits.tensor
 
 
-def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = True) -> TensorValue:
-    """`x [T, K] @ weight[N, K]^T + bias [N]`, all bf16 (gemv.mojo): a warp per output row for
-    decode steps. The GPU path takes T <= 2 and K <= 4096 (a caller dispatches larger steps to
-    a matmul); the CPU path any T. `staged`: the GPU path stages each row in shared memory by
-    cp.async (else registers). Not used by the model: slower than MAX's at qkv's shape
-    (bench/NOTES.md)."""
+def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = True, tc: bool = False) -> TensorValue:
+    """`x [T, K] @ weight[N, K]^T + bias [N]`, all bf16 (gemv.mojo) for decode steps. GPU:
+    `tc` takes tensor cores (16 weight rows per block, K split over its warps) for T <= 64 and
+    K % 32 == 0; else a warp per output row for T <= 2 and K <= 4096, `staged` staging each row
+    in shared memory by cp.async (else registers). A caller dispatches larger steps to a matmul.
+    The CPU path takes any T (the same f32 sum whatever the flags)."""
     for name, v, rank in (("x", x, 2), ("weight", weight, 2), ("bias", bias, 1)):
         if v.dtype != DType.bfloat16 or v.rank != rank:
             raise TypeError(f"{name} must be a rank-{rank} bfloat16 tensor, got {v.dtype} rank {v.rank}")
@@ -314,13 +314,15 @@ def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = 
     k = x.shape[1]
     if isinstance(k, StaticDim) and int(k) % 8:
         raise ValueError(f"gemv needs K % 8 == 0, got K={int(k)}")
+    if tc and isinstance(k, StaticDim) and int(k) % 32:
+        raise ValueError(f"gemv(tc=True) needs K % 32 == 0, got K={int(k)}")
     _load_kernels()
     (y,) = ops.custom(
         "gptoss_gemv",
         x.device,
         [x, weight, bias],
         [TensorType(DType.bfloat16, [x.shape[0], weight.shape[0]], x.device)],
-        parameters={"staged": staged},
+        parameters={"staged": staged, "tc": tc},
     )
     return y.tensor
 
