@@ -78,7 +78,8 @@ def gemv_tc_model(request):
 
 # tokens, n, k: every n-tile width the GPU path instantiates (T <= 8, 16, 32, 64), rows not a
 # multiple of 16, K of 1..128 chunks of 32 (chunks not a multiple of the warps over K), and row
-# counts that take each warps-per-block choice (16 / 8 / 4 warps from 64 / 264 row blocks)
+# counts on each side of the warps-per-block choice (8 warps from 264 row blocks, else 16 for one
+# n tile), and fewer chunks than warps
 TC_CASES = [(1, 40, 256), (3, 33, 352), (8, 64, 2880), (9, 17, 96), (16, 1030, 64), (20, 7, 32),
             (33, 48, 1024), (64, 5, 4096), (2, 4240, 128), (64, 4230, 64)]  # fmt: skip
 

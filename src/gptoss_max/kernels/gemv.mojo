@@ -118,7 +118,8 @@ def gemv_kernel[
 #   loads 16 bytes of rows g and g + 8 at k = 32c + 8q (A) and 16 bytes of
 #   token 8j + g at the same k (B, n tile j): both operands carry the same
 #   permutation of k inside the chunk, so the dot products are exact sums
-#   over k. DEPTH chunks' loads are issued before their math.
+#   over k. Loads go in rounds of DEPTH chunks, the next round in flight
+#   while this one's mma run.
 #   The warps' f32 partials meet in shared memory; warp 0 sums them in warp
 #   order (deterministic), adds the bias and stores bf16.
 comptime SKINNY_MAX_TOKENS = 64
@@ -126,8 +127,41 @@ comptime SKINNY_MAX_TOKENS = 64
 
 @always_inline
 def skinny_depth(nt: Int) -> Int:
-    """Chunks in flight per warp for nt n tiles of 8 tokens (registers)."""
-    return 4 if nt <= 2 else 2
+    """Chunks per round (two rounds in flight) for nt n tiles of 8 tokens."""
+    return 2 if nt <= 2 else 1
+
+
+@always_inline
+def _skinny_round[
+    NT: Int, DEPTH: Int, WARPS: Int
+](
+    wa: Pointer[BFloat16, ImmutAnyOrigin],
+    wb: Pointer[BFloat16, ImmutAnyOrigin],
+    xr: Array[Pointer[BFloat16, ImmutAnyOrigin], NT],
+    c0: Int,
+    nchunks: Int,
+    mut av: SIMD[DType.uint32, 8 * DEPTH],
+    mut bv: SIMD[DType.uint32, 4 * NT * DEPTH],
+):
+    """Loads of chunks c0 + d * WARPS (d < DEPTH): A (rows g, g + 8: words
+    8d..8d+3, 8d+4..8d+7 of av) and B (n tile j: words 4(NT d + j).. of bv);
+    chunks past the end repeat the last one (the caller skips their mma)."""
+    comptime for d in range(DEPTH):
+        var c = min(c0 + d * WARPS, nchunks - 1)
+        av = av.insert[offset=8 * d](
+            load[width=4, read_only=True, eviction_policy=CacheEviction.NO_ALLOCATE, alignment=16](
+                wa.unsafe_offset(32 * c).unsafe_bitcast[UInt32]()
+            )
+        )
+        av = av.insert[offset=8 * d + 4](
+            load[width=4, read_only=True, eviction_policy=CacheEviction.NO_ALLOCATE, alignment=16](
+                wb.unsafe_offset(32 * c).unsafe_bitcast[UInt32]()
+            )
+        )
+        comptime for j in range(NT):
+            bv = bv.insert[offset=4 * (NT * d + j)](
+                xr[j].unsafe_offset(32 * c).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
+            )
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(32 * WARPS)))
@@ -159,37 +193,34 @@ def skinny_kernel[
     comptime for j in range(NT):
         xr[j] = x.unsafe_offset(min(8 * j + g, tokens - 1) * k + 8 * q)
     var acc = Array[SIMD[DType.float32, 4], NT](fill=SIMD[DType.float32, 4](0))
+    # two rounds of DEPTH chunks: the next round's loads are in flight while
+    # this round's mma run
+    comptime STEP = DEPTH * WARPS
+    var cur_a = SIMD[DType.uint32, 8 * DEPTH](0)
+    var cur_b = SIMD[DType.uint32, 4 * NT * DEPTH](0)
+    _skinny_round[NT, DEPTH, WARPS](wa, wb, xr, wid, nchunks, cur_a, cur_b)
     var c0 = wid
     while c0 < nchunks:
-        var av = Array[SIMD[DType.uint32, 4], 2 * DEPTH](fill=SIMD[DType.uint32, 4](0))
-        var bv = Array[SIMD[DType.uint32, 4], NT * DEPTH](fill=SIMD[DType.uint32, 4](0))
-        comptime for d in range(DEPTH):
-            # chunks past the row's end repeat the last one with zero weights
-            var c = min(c0 + d * WARPS, nchunks - 1)
-            av[2 * d] = load[width=4, read_only=True, eviction_policy=CacheEviction.NO_ALLOCATE, alignment=16](
-                wa.unsafe_offset(32 * c).unsafe_bitcast[UInt32]()
-            )
-            av[2 * d + 1] = load[width=4, read_only=True, eviction_policy=CacheEviction.NO_ALLOCATE, alignment=16](
-                wb.unsafe_offset(32 * c).unsafe_bitcast[UInt32]()
-            )
-            comptime for j in range(NT):
-                bv[NT * d + j] = xr[j].unsafe_offset(32 * c).unsafe_bitcast[UInt32]().unsafe_load[
-                    width=4, alignment=16
-                ](0)
+        var nxt_a = cur_a
+        var nxt_b = cur_b
+        if c0 + STEP < nchunks:
+            _skinny_round[NT, DEPTH, WARPS](wa, wb, xr, c0 + STEP, nchunks, nxt_a, nxt_b)
         comptime for d in range(DEPTH):
             if c0 + d * WARPS < nchunks:
                 comptime for s in range(2):
+                    comptime ra = 8 * d  # row g's 4 words, then row g + 8's
                     var a = bitcast[DType.bfloat16, 8](
                         SIMD[DType.uint32, 4](
-                            av[2 * d][2 * s], av[2 * d + 1][2 * s], av[2 * d][2 * s + 1], av[2 * d + 1][2 * s + 1]
+                            cur_a[ra + 2 * s], cur_a[ra + 4 + 2 * s], cur_a[ra + 2 * s + 1], cur_a[ra + 4 + 2 * s + 1]
                         )
                     )
                     comptime for j in range(NT):
-                        var b = bitcast[DType.bfloat16, 4](
-                            SIMD[DType.uint32, 2](bv[NT * d + j][2 * s], bv[NT * d + j][2 * s + 1])
-                        )
+                        comptime rb = 4 * (NT * d + j)
+                        var b = bitcast[DType.bfloat16, 4](SIMD[DType.uint32, 2](cur_b[rb + 2 * s], cur_b[rb + 2 * s + 1]))
                         mma(acc[j], a, b, acc[j])
-        c0 += DEPTH * WARPS
+        cur_a = nxt_a
+        cur_b = nxt_b
+        c0 += STEP
     # the warps' partials -> warp 0, summed in warp order
     comptime if WARPS > 1:
         var red = stack_allocation[WARPS * NT * 128, Float32, alignment=16, address_space=AddressSpace.SHARED]()
@@ -227,20 +258,15 @@ def _launch_skinny[
     k: Int,
 ) raises:
     """More warps over K when the row blocks are few: qkv's 320 blocks of
-    4 warps, o_proj's 180 of 8 and the router's 8 of 16 put 1.3k-1.4k warps
-    (the router all it has) on the GPU in one wave."""
+    8 warps, o_proj's 180 and the router's 8 of 16 (of 8 past one n tile)."""
     var blocks = (n + 15) // 16
     if blocks >= 264:
-        ctx.enqueue_function[skinny_kernel[NT, 4]](
-            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=128
-        )
-    elif blocks >= 64:
         ctx.enqueue_function[skinny_kernel[NT, 8]](
             y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=256
         )
     else:
-        # 16 warps' partials of 8 n tiles would take 64 KB of shared memory
-        comptime W = 16 if NT <= 4 else 8
+        # 16 warps only for one n tile: past it their 128-register cap spills
+        comptime W = 16 if NT == 1 else 8
         ctx.enqueue_function[skinny_kernel[NT, W]](
             y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=32 * W
         )
