@@ -92,9 +92,23 @@ def rope_impl() -> str:
     return "fused" if value == "auto" else value
 
 
+def dense_impl() -> str:
+    """`GPTOSS_MAX_DENSE`: `auto` (= `tc`), `tc` or `max`; how a bf16 graph runs the dense
+    projections of attention (qkv, o_proj) and the router's logits. `tc`: our tensor-core op
+    (kernels/gemv.mojo) for steps of `arch.dense.DENSE_MIN_TOKENS`..`DENSE_MAX_TOKENS` tokens, MAX's
+    Linear for the others, chosen in the graph from the step's token count. `max`: MAX's Linear
+    for every step. Same values up to f32 summation order. Read in the process that builds the
+    graph; a float32 graph always uses MAX's."""
+    value = os.environ.get("GPTOSS_MAX_DENSE", "auto")
+    if value not in ("auto", "tc", "max"):
+        raise ValueError(f"GPTOSS_MAX_DENSE must be auto, tc or max, not {value!r}")
+    return "tc" if value == "auto" else value
+
+
 # The settings above that change what the model computes or how fast (data paths and keys do not).
 RUN_SETTINGS = (
     "GPTOSS_MAX_ATTENTION",
+    "GPTOSS_MAX_DENSE",
     "GPTOSS_MAX_MOE_PATH",
     "GPTOSS_MAX_ROPE",
     "GPTOSS_MAX_ROUTER",

@@ -10,6 +10,7 @@ from max.nn.kernels import flash_attention_ragged, rope_split_store_ragged
 from max.nn.kv_cache import PagedCacheValues
 
 from gptoss_max import maxapi, settings
+from gptoss_max.arch import dense
 from gptoss_max.kernels import ops as kernel_ops
 
 
@@ -21,7 +22,7 @@ class SinkAttention(maxapi.GptOssAttention):
     def __call__(self, x: TensorValue, kv_collection: PagedCacheValues, **kwargs) -> TensorValue:
         layer_idx = ops.constant(self.layer_idx, DType.uint32, device=DeviceRef.CPU())
         offsets = kwargs["input_row_offsets"]
-        qkv = self.qkv_proj(x)  # [T, (nh + 2 kvh) * d]
+        qkv = dense.project(self.qkv_proj, x)  # [T, (nh + 2 kvh) * d]
         freqs_cis = ops.cast(self.rope.freqs_cis, qkv.dtype).to(qkv.device)
         head_dim = self.kv_params.head_dim
         sliding = self.layer_type == "sliding_attention"
@@ -76,7 +77,7 @@ class SinkAttention(maxapi.GptOssAttention):
             attn = ops.cond(has_chunk, [out_type], theirs, ours)[0]
         else:
             attn = ours()
-        return self.o_proj(ops.reshape(attn, shape=[x.shape[0], -1]))
+        return dense.project(self.o_proj, ops.reshape(attn, shape=[x.shape[0], -1]))
 
 
 def use_sink_attention(block, hybrid: bool = False) -> None:

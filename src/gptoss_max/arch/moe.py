@@ -17,6 +17,7 @@ from max.nn.layer import Module
 from max.nn.linear import Linear
 
 from gptoss_max import maxapi, settings
+from gptoss_max.arch import dense
 from gptoss_max.kernels import ops as moe_ops
 
 
@@ -82,7 +83,7 @@ class NativeMoE(Module):
         self._strategy: ShardingStrategy | None = None
 
     def __call__(self, x: TensorValue) -> TensorValue:  # x: [T, H]
-        return self._experts_of(x, self.router(x))
+        return self._experts_of(x, dense.project(self.router, x))
 
     def _experts_of(self, x: TensorValue, logits: TensorValue) -> TensorValue:
         """x [T, H] through the experts the router's logits [T, E] pick (top-k, softmax over k)."""
@@ -105,7 +106,7 @@ class NativeMoE(Module):
         def unfused() -> list[TensorValue]:  # MAX's add, rms_norm and Linear
             h = residual + attn
             xn = norm(h)
-            return [h, xn, self.router(xn)]
+            return [h, xn, dense.project(self.router, xn)]
 
         if attn.dtype != DType.bfloat16 or settings.router_impl() != "fused":
             h, xn, logits = unfused()

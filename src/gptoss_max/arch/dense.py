@@ -1,0 +1,54 @@
+"""Dense bf16 projections of small decode steps (qkv, o_proj, the router's logits) on our
+tensor-core op instead of MAX's matmul.
+
+Why: in a 120b batch-8 step MAX runs these with its sm90 matmul at 30.7 / 21.8 / 13.4 us per layer
+(qkv / o_proj / router), about a third of the copy bandwidth; on one token its split-K GEMV is
+faster than ours, and from ~32 tokens its matmul is (bench/gemv.py, bench/NOTES.md).
+"""
+
+from __future__ import annotations
+
+from max.dtype import DType
+from max.graph import StaticDim, TensorType, TensorValue, ops
+from max.nn import Linear
+
+from gptoss_max import settings
+from gptoss_max.kernels import ops as kernel_ops
+
+# Steps of this many tokens take our op (kernels/gemv.mojo, tc=True); others MAX's Linear.
+DENSE_MIN_TOKENS = 2
+DENSE_MAX_TOKENS = 16
+
+
+def project(linear: Linear, x: TensorValue) -> TensorValue:
+    """`linear(x)` for x [T, K]: on bf16 graphs with `GPTOSS_MAX_DENSE` = tc (the default) and
+    K % 32 == 0, steps of DENSE_MIN_TOKENS..DENSE_MAX_TOKENS tokens run our op, chosen in the graph
+    from the step's token count (the same choice on a CPU, whose path has no bound, so CPU tests
+    run both branches). Same values up to f32 summation order."""
+    k = x.shape[1]
+    if (
+        x.dtype != DType.bfloat16
+        or settings.dense_impl() != "tc"
+        or linear.bias is None
+        or not isinstance(k, StaticDim)
+        or int(k) % 32
+        or linear.weight.dtype != DType.bfloat16
+    ):
+        return linear(x)
+    # Materialized here, outside both branches of ops.cond: a weight first used inside one
+    # branch is defined in that region and does not dominate its use in the other.
+    weight = TensorValue(linear.weight).to(x.device)
+    bias = TensorValue(linear.bias).to(x.device)
+
+    def ours() -> TensorValue:
+        return kernel_ops.gemv(x, weight, bias, tc=True)
+
+    def theirs() -> TensorValue:
+        return linear(x)
+
+    tokens = ops.reshape(ops.shape_to_tensor([x.shape[0]]), [])
+    lo = ops.constant(DENSE_MIN_TOKENS, tokens.dtype, device=tokens.device)
+    hi = ops.constant(DENSE_MAX_TOKENS, tokens.dtype, device=tokens.device)
+    take = ops.logical_and(ops.greater_equal(tokens, lo), ops.greater_equal(hi, tokens))
+    out = TensorType(x.dtype, [x.shape[0], weight.shape[0]], x.device)
+    return ops.cond(take, [out], ours, theirs)[0]
