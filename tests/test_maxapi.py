@@ -210,3 +210,27 @@ def test_paged_kv_graph_inputs_round_trip():
         assert kv.lookup_table is cache[3].tensor
         assert kv.max_prompt_length is cache[4].tensor and kv.max_cache_length is cache[5].tensor
         assert kv.attention_dispatch_metadata is meta.tensor
+
+
+def test_linear_weight_bias_of_linear_and_stacked_linear() -> None:
+    """arch/dense.py projects with a layer's own weight and bias: a Linear's, and a StackedLinear's
+    (gpt_oss's q/k/v) whole stacked weight and bias."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType, TensorValue
+    from max.nn import Linear
+
+    from gptoss_max import maxapi
+
+    cpu = DeviceRef.CPU()
+    lin = Linear(32, 8, dtype=DType.bfloat16, device=cpu, has_bias=True)
+    w, b = maxapi.linear_weight_bias(lin)
+    assert w is lin.weight and b is lin.bias
+    # stacked=True: one fused weight (the unfused children's graph-time concat goes through the
+    # same property, but their bare weight names would collide outside a model)
+    qkv = maxapi.StackedLinear(
+        32, [8, 4, 4], ["q_proj", "k_proj", "v_proj"], DType.bfloat16, cpu, stacked=True, has_bias=True
+    )
+    with Graph("stacked_wb", input_types=[TensorType(DType.bfloat16, [1, 32], cpu)]):
+        w, b = maxapi.linear_weight_bias(qkv)
+        assert [int(d) for d in TensorValue(w).shape] == [16, 32]
+        assert [int(d) for d in TensorValue(b).shape] == [16]

@@ -123,6 +123,14 @@ def model_abi_buffers(inputs: Any) -> tuple[Any, ...]:
     return (inputs.tokens, inputs.return_n_logits, *offsets, *inputs.signal_buffers, *kv)
 
 
+def linear_weight_bias(layer: Any) -> tuple[Any, Any]:
+    """(weight [N, K], bias [N] or None) of a MAX Linear, or of a StackedLinear (gpt_oss's q/k/v:
+    its children's weights concatenated at graph-build time, as its own __call__ uses them)."""
+    if isinstance(layer, StackedLinear):
+        return layer.stacked_weight, layer.stacked_bias
+    return layer.weight, layer.bias
+
+
 def paged_kv_input_types(params: Any, device: Any) -> list[Any]:
     """Graph input types of MAX 26.7's paged KV cache for a graph that takes the cache as inputs
     (the attention tests, bench/attention.py, scripts/gpu_attn_probe.py): kv_blocks,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from max.dtype import DType
 from max.graph import StaticDim, TensorType, TensorValue, ops
-from max.nn import Linear
+from max.nn.layer import Module
 
-from gptoss_max import settings
+from gptoss_max import maxapi, settings
 from gptoss_max.kernels import ops as kernel_ops
 
 # Steps of this many tokens take our op (kernels/gemv.mojo, tc=True); others MAX's Linear.
@@ -20,28 +20,30 @@ DENSE_MIN_TOKENS = 2
 DENSE_MAX_TOKENS = 16
 
 
-def project(linear: Linear, x: TensorValue) -> TensorValue:
-    """`linear(x)` for x [T, K]: on bf16 graphs with `GPTOSS_MAX_DENSE` = tc (the default) and
-    K % 32 == 0, steps of DENSE_MIN_TOKENS..DENSE_MAX_TOKENS tokens run our op, chosen in the graph
-    from the step's token count (the same choice on a CPU, whose path has no bound, so CPU tests
-    run both branches). Same values up to f32 summation order."""
+def project(linear: Module, x: TensorValue) -> TensorValue:
+    """`linear(x)` for x [T, K] and a MAX Linear or StackedLinear: on bf16 graphs with
+    `GPTOSS_MAX_DENSE` = tc (the default) and K % 32 == 0, steps of
+    DENSE_MIN_TOKENS..DENSE_MAX_TOKENS tokens run our op, chosen in the graph from the step's
+    token count (the same choice on a CPU, whose path has no bound, so CPU tests run both
+    branches). Same values up to f32 summation order. Not for use inside a branch of another
+    ops.cond (arch/moe.py says why)."""
+    weight, bias = maxapi.linear_weight_bias(linear)
     k = x.shape[1]
     if (
         x.dtype != DType.bfloat16
         or settings.dense_impl() != "tc"
-        or linear.bias is None
+        or bias is None
+        or weight.dtype != DType.bfloat16
         or not isinstance(k, StaticDim)
         or int(k) % 32
-        or linear.weight.dtype != DType.bfloat16
     ):
         return linear(x)
     # Materialized here, outside both branches of ops.cond: a weight first used inside one
     # branch is defined in that region and does not dominate its use in the other.
-    weight = TensorValue(linear.weight).to(x.device)
-    bias = TensorValue(linear.bias).to(x.device)
+    w, b = TensorValue(weight), TensorValue(bias)
 
     def ours() -> TensorValue:
-        return kernel_ops.gemv(x, weight, bias, tc=True)
+        return kernel_ops.gemv(x, w, b, tc=True)
 
     def theirs() -> TensorValue:
         return linear(x)
@@ -50,5 +52,5 @@ def project(linear: Linear, x: TensorValue) -> TensorValue:
     lo = ops.constant(DENSE_MIN_TOKENS, tokens.dtype, device=tokens.device)
     hi = ops.constant(DENSE_MAX_TOKENS, tokens.dtype, device=tokens.device)
     take = ops.logical_and(ops.greater_equal(tokens, lo), ops.greater_equal(hi, tokens))
-    out = TensorType(x.dtype, [x.shape[0], weight.shape[0]], x.device)
+    out = TensorType(x.dtype, [x.shape[0], w.shape[0]], x.device)
     return ops.cond(take, [out], ours, theirs)[0]

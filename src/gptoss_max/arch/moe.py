@@ -101,15 +101,20 @@ class NativeMoE(Module):
         add, the norm and the router's logits (`router_decode`) on steps of at most
         `ROUTER_DECODE_MAX_TOKENS` tokens, chosen in the graph from the step's token count (the
         same choice on a CPU, whose path has no bound, so CPU tests run both branches); MAX's
-        add + rms_norm + Linear otherwise. Both compute the same values (tests/test_router_decode_op.py)."""
+        add + rms_norm and the router's Linear otherwise. With `GPTOSS_MAX_ROUTER=max` (no cond here)
+        the logits go through `arch.dense.project`. Both compute the same values
+        (tests/test_router_decode_op.py)."""
 
-        def unfused() -> list[TensorValue]:  # MAX's add, rms_norm and Linear
+        def unfused(nested: bool = True) -> list[TensorValue]:  # MAX's add, rms_norm and Linear
             h = residual + attn
             xn = norm(h)
-            return [h, xn, dense.project(self.router, xn)]
+            # Not nested inside a branch of the ops.cond below: MAX 26.7 fails to verify an
+            # ops.cond nested in another one when its branch holds a custom op (the branch
+            # yields a chain defined in a region it cannot see).
+            return [h, xn, self.router(xn) if nested else dense.project(self.router, xn)]
 
         if attn.dtype != DType.bfloat16 or settings.router_impl() != "fused":
-            h, xn, logits = unfused()
+            h, xn, logits = unfused(nested=False)
             return h, self._experts_of(xn, logits)
         # Materialized here, outside both branches of ops.cond: a weight first used inside one
         # branch is defined in that region and does not dominate its use in the other.
