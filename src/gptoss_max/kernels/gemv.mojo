@@ -12,15 +12,18 @@ from std.memory import bitcast, stack_allocation
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
 
-# A dense bf16 GEMV for decode steps of one or two tokens: y = x W^T + b
-# (W [N, K] row-major, as MAX's Linear stores it). Why: in a 120b batch-1
-# step MAX runs qkv and o_proj with its split-K GEMV at ~2.4 TB/s, while its
-# own LM-head GEMV reaches the copy bandwidth (bench/NOTES.md). Not used by the
-# model: on an H100 it was slower than MAX's GEMV at qkv's shape (17.8 vs 16.6
-# us per projection in bench/gemv.py, 2026-11-22).
+# Dense bf16 projections of decode steps: y = x W^T + b (W [N, K] row-major,
+# as MAX's Linear stores it). Two GPU paths:
+#   tensor cores (the op's `tc`, T <= 64; "Tensor-core path" below): used by
+#       the model for steps of 2..16 tokens (arch/dense.py);
+#   a warp per output row (T <= 2): not used by the model. Why it was built: in
+#       a 120b batch-1 step MAX runs qkv and o_proj with its split-K GEMV at
+#       ~2.4 TB/s, while its own LM-head GEMV reaches the copy bandwidth; on an
+#       H100 it was slower than MAX's GEMV at qkv's shape (17.8 vs 16.6 us per
+#       projection in bench/gemv.py, 2026-11-22).
 #
-# GPU: a warp per output row; lane l reads the row's 16-byte chunks l, l + 32,
-# ... (up to GEMV_MAX_CHUNKS per lane, so a row of K <= 4,096 bf16), then
+# Warp per row: lane l reads the row's 16-byte chunks l, l + 32, ... (up to
+# GEMV_MAX_CHUNKS per lane, so a row of K <= 4,096 bf16), then
 # multiplies them with x in f32 and the warp sums by shuffles. Rows of a block
 # are consecutive. Two ways to get the chunks in flight together, timed
 # against each other by bench/gemv.py:
