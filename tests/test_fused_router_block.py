@@ -2,11 +2,13 @@
 residual add, post-attention norm, router, top-k, experts) in a bf16 CPU graph, against a float64
 NumPy reference of gpt-oss's semantics with HF's bf16 rounding points. Steps of 1..4 tokens take
 our fused router op, larger ones MAX's add + rms_norm + Linear (the graph's ops.cond), so one
-graph checks both branches."""
+graph checks both branches; with GPTOSS_MAX_ROUTER=max the logits of 2..16-token steps come from
+our projection op (arch/dense.py)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from gptoss_max.checkpoint import to_bf16_bits
 from gptoss_max.kernels import reference
@@ -58,7 +60,10 @@ def _build(router: str, weights: dict[str, np.ndarray], monkeypatch):
         attn, residual = (gops.cast(v.tensor, DType.bfloat16) for v in graph.inputs)
         h, out = moe.after_attention(attn, residual, norm)
         graph.output(gops.cast(h, DType.float32), gops.cast(out, DType.float32))
-    assert "gptoss_router_decode" in str(graph) and "rms_norm" in str(graph)  # both branches staged
+    if router == "fused":
+        assert "gptoss_router_decode" in str(graph) and "rms_norm" in str(graph)  # both branches staged
+    else:  # no outer choice: the router's logits go through arch.dense.project's own
+        assert "gptoss_router_decode" not in str(graph) and "gptoss_gemv" in str(graph)
     registry = {("weight" if k == "norm.weight" else k): v for k, v in state.items()}
     return InferenceSession(devices=[CPU()]).load(graph, weights_registry=registry)
 
@@ -77,13 +82,16 @@ def _reference(attn: np.ndarray, residual: np.ndarray, w: dict[str, np.ndarray])
     return h, out, logits
 
 
-def test_after_attention_matches_reference(monkeypatch) -> None:
+@pytest.mark.parametrize("router", ["fused", "max"])
+def test_after_attention_matches_reference(monkeypatch, router) -> None:
+    """fused: both sides of the fused op's 4-token bound; max: MAX's add + norm, the router's
+    logits by our projection op for 2..16 tokens (arch/dense.py) and MAX's Linear for one."""
     from max.driver import Buffer
 
     weights = _weights(7)
-    model = _build("fused", weights, monkeypatch)
+    model = _build(router, weights, monkeypatch)
     rng = np.random.default_rng(11)
-    for tokens in (1, 3, 4, 6):  # both sides of the fused op's 4-token bound
+    for tokens in (1, 3, 4, 6):
         attn = reference.round_to_bf16(rng.standard_normal((tokens, H)).astype(np.float32))
         residual = reference.round_to_bf16(3 * rng.standard_normal((tokens, H)).astype(np.float32))
         want_h, want_out, logits = _reference(attn, residual, weights)
