@@ -19,23 +19,29 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "moe_gpu.gate_up_kernel[DType.bfloat16, 4, False]",
         "moe_gpu.down_one_token_kernel[DType.bfloat16]",
         "gemv.gemv_kernel[2, 16, True]",
-        "router_decode.router_decode_kernel[3, 12]",
+        "router_decode.router_decode_kernel[3, 12, 4]",
         "attention_gpu.attention_merge_kernel[DType.bfloat16, DType.float32, 64]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 8]",
         "moe_gpu.gate_up_kernel[DType.bfloat16, 2, True, 4]",
         "attention_gpu.attention_tc_kernel[DType.bfloat16, 4, True, DType.bfloat16]",
         "gemv.skinny_kernel[8, 8]",
+        "router_decode.router_decode_kernel[1, 12, 8]",
+        "router_decode.add_norm_kernel",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny = ptx.values()
+    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny, qkv_head, add_norm = ptx.values()
     # the tensor-core projection: bf16 mma on 8 n tiles, the warps' partials met in shared memory
     assert ".entry" in skinny and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in skinny
     assert "bar.sync" in skinny
     assert ".entry" in gemv and "cp.async" in gemv and "shfl.sync.bfly" in gemv
     # the fused router: its row's loads, one block reduction of the norm, an approximate rsqrt
     assert ".entry" in router and "bar.sync" in router and "rsqrt.approx" in router
+    # the same op as the qkv head (8 warps per block: an 8-warp norm reduction) and its norm for
+    # larger steps
+    assert ".maxntid 256" in qkv_head and ".maxntid 128" in router
+    assert ".entry" in add_norm and "rsqrt.approx" in add_norm and "mma" not in add_norm
     # the one-token gate_up that takes the top-k itself: bf16 logits, so a warp argmax round is one
     # redux.sync max over exact keys (no butterfly); the winner of its slot by an indexed shuffle,
     # then the same tensor-core loop

@@ -105,11 +105,28 @@ def dense_impl() -> str:
     return "tc" if value == "auto" else value
 
 
+def qkv_head_impl() -> str:
+    """`GPTOSS_MAX_QKV_HEAD`: `auto` (= `fused`), `fused` or `max`; how a bf16 graph runs the head of
+    each attention block after the first (the previous layer's residual add, the input RMS norm
+    and the qkv projection). `fused`: our op (kernels/router_decode.mojo, the MoE head's) for steps
+    of at most `arch.attention.QKV_HEAD_MAX_TOKENS` tokens (one launch up to 4 tokens, the norm and
+    our tensor-core projection past that), MAX's add + rms_norm + Linear for larger ones, chosen
+    in the graph from the step's token count. `max`: MAX's ops for every step (qkv then through
+    `GPTOSS_MAX_DENSE`'s choice). Needs our attention (`GPTOSS_MAX_ATTENTION` not `max`). Same values
+    up to f32 summation order. Read in the process that builds the graph; a float32 graph always
+    uses MAX's."""
+    value = os.environ.get("GPTOSS_MAX_QKV_HEAD", "auto")
+    if value not in ("auto", "fused", "max"):
+        raise ValueError(f"GPTOSS_MAX_QKV_HEAD must be auto, fused or max, not {value!r}")
+    return "fused" if value == "auto" else value
+
+
 # The settings above that change what the model computes or how fast (data paths and keys do not).
 RUN_SETTINGS = (
     "GPTOSS_MAX_ATTENTION",
     "GPTOSS_MAX_DENSE",
     "GPTOSS_MAX_MOE_PATH",
+    "GPTOSS_MAX_QKV_HEAD",
     "GPTOSS_MAX_ROPE",
     "GPTOSS_MAX_ROUTER",
     "GPTOSS_MAX_TOPK",

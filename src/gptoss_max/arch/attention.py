@@ -4,14 +4,67 @@ in GPU decode), optionally MAX's flash attention for steps that hold a prompt ch
 from __future__ import annotations
 
 from max.dtype import DType
-from max.graph import DeviceRef, TensorType, TensorValue, ops
+from max.graph import DeviceRef, StaticDim, TensorType, TensorValue, ops
 from max.nn.attention import MHAMaskVariant
 from max.nn.kernels import flash_attention_ragged, rope_split_store_ragged
 from max.nn.kv_cache import PagedCacheValues
+from max.nn.layer import Module
 
 from gptoss_max import maxapi, settings
 from gptoss_max.arch import dense
 from gptoss_max.kernels import ops as kernel_ops
+
+# Steps of at most this many tokens take our op for the attention head (`attention_head`).
+QKV_HEAD_MAX_TOKENS = 16
+
+
+def attention_head(
+    qkv_proj: Module, residual: TensorValue, update: TensorValue, norm: Module
+) -> tuple[TensorValue, TensorValue]:
+    """`(x, qkv)` with `x = residual + update` (the previous layer's residual add) and
+    `qkv = qkv_proj(norm(x))`: what a block hands `SinkAttention.__call__` when the previous
+    block left its add to it (arch/moe.py's `DeferredAdd`).
+
+    bf16 graphs with `GPTOSS_MAX_QKV_HEAD` = fused (the default) run steps of at most
+    QKV_HEAD_MAX_TOKENS tokens through our op (the MoE head's, kernels/router_decode.mojo),
+    chosen in the graph from the step's token count; MAX's add + rms_norm + Linear otherwise.
+    Why: at one token MAX runs the add + norm as a launch of its own (~3 us in a 120b layer,
+    bench/NOTES.md) before its GEMV; ours normalizes inside the projection's launch."""
+    weight, bias = maxapi.linear_weight_bias(qkv_proj)
+
+    def unfused() -> list[TensorValue]:  # MAX's add, rms_norm and Linear (no ops.cond inside)
+        x = residual + update
+        return [x, qkv_proj(norm(x))]
+
+    hidden = update.shape[1]
+    if (
+        update.dtype != DType.bfloat16
+        or settings.qkv_head_impl() != "fused"
+        or bias is None
+        or not isinstance(hidden, StaticDim)
+        or int(hidden) > 4096  # the op's GPU bound
+    ):
+        x = residual + update
+        return x, dense.project(qkv_proj, norm(x))
+    # Materialized here, outside both branches of ops.cond: a weight first used inside one
+    # branch is defined in that region and does not dominate its use in the other.
+    gamma = ops.cast(TensorValue(norm.weight), update.dtype).to(update.device)
+    w, b = TensorValue(weight), TensorValue(bias)
+
+    def fused() -> list[TensorValue]:
+        x, _, qkv = kernel_ops.router_decode(update, residual, gamma, norm.eps, w, b)
+        return [x, qkv]
+
+    tokens = ops.reshape(ops.shape_to_tensor([update.shape[0]]), [])
+    # past ROUTER_DECODE_MAX_TOKENS the op's GPU path projects on tensor cores: H % 32 == 0
+    most = QKV_HEAD_MAX_TOKENS if int(hidden) % 32 == 0 else kernel_ops.ROUTER_DECODE_MAX_TOKENS
+    bound = ops.constant(most, tokens.dtype, device=tokens.device)
+    out_types = [
+        TensorType(update.dtype, update.shape, update.device),
+        TensorType(update.dtype, [update.shape[0], w.shape[0]], update.device),
+    ]
+    x, qkv = ops.cond(ops.greater_equal(bound, tokens), out_types, fused, unfused)
+    return x, qkv
 
 
 class SinkAttention(maxapi.GptOssAttention):
@@ -19,10 +72,18 @@ class SinkAttention(maxapi.GptOssAttention):
 
     hybrid = False  # MAX's flash attention when the step holds a prompt chunk (set by use_sink_attention)
 
-    def __call__(self, x: TensorValue, kv_collection: PagedCacheValues, **kwargs) -> TensorValue:
+    def head(self, residual: TensorValue, update: TensorValue, norm: Module) -> tuple[TensorValue, TensorValue]:
+        """`attention_head` of this layer's qkv projection."""
+        return attention_head(self.qkv_proj, residual, update, norm)
+
+    def __call__(
+        self, x: TensorValue | None, kv_collection: PagedCacheValues, qkv: TensorValue | None = None, **kwargs
+    ) -> TensorValue:
+        """Attention of the normed x, or of its projection `qkv` when given (from `head`)."""
         layer_idx = ops.constant(self.layer_idx, DType.uint32, device=DeviceRef.CPU())
         offsets = kwargs["input_row_offsets"]
-        qkv = dense.project(self.qkv_proj, x)  # [T, (nh + 2 kvh) * d]
+        if qkv is None:
+            qkv = dense.project(self.qkv_proj, x)  # [T, (nh + 2 kvh) * d]
         freqs_cis = ops.cast(self.rope.freqs_cis, qkv.dtype).to(qkv.device)
         head_dim = self.kv_params.head_dim
         sliding = self.layer_type == "sliding_attention"
@@ -77,7 +138,7 @@ class SinkAttention(maxapi.GptOssAttention):
             attn = ops.cond(has_chunk, [out_type], theirs, ours)[0]
         else:
             attn = ours()
-        return dense.project(self.o_proj, ops.reshape(attn, shape=[x.shape[0], -1]))
+        return dense.project(self.o_proj, ops.reshape(attn, shape=[qkv.shape[0], -1]))
 
 
 def use_sink_attention(block, hybrid: bool = False) -> None:

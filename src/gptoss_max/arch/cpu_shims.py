@@ -34,4 +34,3 @@ def cpu_model_construction() -> Iterator[None]:
         yield
     finally:
         maxapi.stock_block_module.Allreduce = saved  # type: ignore[misc]
-

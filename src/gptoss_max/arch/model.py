@@ -65,6 +65,11 @@ class NativeGptOss(maxapi.StockGptOss):
             impl = "ours" if cpu else settings.attention_impl()
             if impl != "max":
                 use_sink_attention(block, hybrid=impl == "hybrid")
+        if impl != "max" and settings.qkv_head_impl() == "fused":
+            # Each block's final residual add goes into the next one's attention head (fused there
+            # in bf16 graphs; a float32 graph adds, norms and projects as before).
+            for block in list(self.language_model.layers)[:-1]:
+                block.defer_add = True
         if config.dtype == DType.float32 and not cpu:
             # MAX's GPU float32 matmuls are TF32; the float32 graph is the one checked against
             # transformers' true float32 (exact_f32.py).

@@ -20,6 +20,9 @@ from gptoss_max import maxapi, settings
 from gptoss_max.arch import dense
 from gptoss_max.kernels import ops as moe_ops
 
+# Steps of at most this many tokens take our op for the MoE block's head (`after_attention`).
+ROUTER_HEAD_MAX_TOKENS = moe_ops.ROUTER_DECODE_MAX_TOKENS
+
 
 class ExpertWeights(Module):
     """`[E, out, in]`-major expert tensors, gate/up rows interleaved (gate = even rows)."""
@@ -99,7 +102,7 @@ class NativeMoE(Module):
 
         bf16 graphs with `GPTOSS_MAX_ROUTER` = fused (the default) take our one-launch op for the
         add, the norm and the router's logits (`router_decode`) on steps of at most
-        `ROUTER_DECODE_MAX_TOKENS` tokens, chosen in the graph from the step's token count (the
+        `ROUTER_HEAD_MAX_TOKENS` tokens, chosen in the graph from the step's token count (the
         same choice on a CPU, whose path has no bound, so CPU tests run both branches); MAX's
         add + rms_norm and the router's Linear otherwise. With `GPTOSS_MAX_ROUTER=max` (no cond here)
         the logits go through `arch.dense.project`. Both compute the same values
@@ -125,7 +128,7 @@ class NativeMoE(Module):
             return list(moe_ops.router_decode(attn, residual, gamma, norm.eps, weight, bias))
 
         tokens = ops.reshape(ops.shape_to_tensor([attn.shape[0]]), [])
-        bound = ops.constant(moe_ops.ROUTER_DECODE_MAX_TOKENS, tokens.dtype, device=tokens.device)
+        bound = ops.constant(ROUTER_HEAD_MAX_TOKENS, tokens.dtype, device=tokens.device)
         out_types = [
             TensorType(attn.dtype, attn.shape, attn.device),
             TensorType(attn.dtype, attn.shape, attn.device),
@@ -151,19 +154,41 @@ class NativeMoE(Module):
         return [self for _ in devices]
 
 
+class DeferredAdd:
+    """A block's output `residual + update` not yet added: the next block adds it inside its
+    attention head (`SinkAttention.head`), which on one-token steps saves MAX's add + norm launch."""
+
+    def __init__(self, residual: TensorValue, update: TensorValue):
+        self.residual, self.update = residual, update
+
+    def value(self) -> TensorValue:
+        return self.residual + self.update
+
+
 class FusedRouterBlock(maxapi.GptOssTransformerBlock):
     """MAX's gpt-oss transformer block whose second half is `NativeMoE.after_attention` on one
-    device (the same add, norm, MoE and add as MAX's `__call__`, with the head fusable)."""
+    device (the same add, norm, MoE and add as MAX's `__call__`, with the head fusable). With
+    `defer_add` (every layer but the last, when the next one can take it) it returns its final
+    residual add undone, as a `DeferredAdd`, and a block given one finishes it in its attention
+    head."""
+
+    defer_add = False
 
     def __call__(self, layer_idx, xs, signal_buffers, kv_collections, input_row_offsets, **kwargs):  # type: ignore[override]
         if len(xs) != 1 or not isinstance(self.mlp, NativeMoE):
+            xs = [x.value() if isinstance(x, DeferredAdd) else x for x in xs]
             return super().__call__(layer_idx, xs, signal_buffers, kv_collections, input_row_offsets, **kwargs)
         (x,) = xs
-        norm_x = self.input_layernorm_shards[0](x)
-        attn = self.self_attn_shards[0](norm_x, kv_collections[0], input_row_offsets=input_row_offsets[0], **kwargs)
+        attention, norm = self.self_attn_shards[0], self.input_layernorm_shards[0]
+        if isinstance(x, DeferredAdd) and hasattr(attention, "head"):
+            x, qkv = attention.head(x.residual, x.update, norm)
+            attn = attention(None, kv_collections[0], qkv=qkv, input_row_offsets=input_row_offsets[0], **kwargs)
+        else:
+            x = x.value() if isinstance(x, DeferredAdd) else x
+            attn = attention(norm(x), kv_collections[0], input_row_offsets=input_row_offsets[0], **kwargs)
         (attn,) = self.allreduce([attn], signal_buffers)
         h, mlp_out = self.mlp.after_attention(attn, x, self.post_attention_layernorm_shards[0])
-        return [h + mlp_out]
+        return [DeferredAdd(h, mlp_out)] if self.defer_add else [h + mlp_out]
 
 
 def use_fused_router(block: maxapi.GptOssTransformerBlock) -> None:

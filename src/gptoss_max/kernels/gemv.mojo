@@ -248,7 +248,7 @@ def skinny_kernel[
                         y[unsafe_offset=t * n + r] = (acc[j][2 * h + z] + b).cast[DType.bfloat16]()
 
 
-def _launch_skinny[
+def launch_skinny[
     NT: Int
 ](
     ctx: DeviceContext,
@@ -273,6 +273,27 @@ def _launch_skinny[
         ctx.enqueue_function[skinny_kernel[NT, W]](
             y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=32 * W
         )
+
+
+def launch_tc(
+    ctx: DeviceContext,
+    y: Pointer[BFloat16, MutAnyOrigin],
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    tokens: Int,
+    n: Int,
+    k: Int,
+) raises:
+    """The tensor-core path for 1..SKINNY_MAX_TOKENS tokens (K % 32 == 0): n tiles by token count."""
+    if tokens <= 8:
+        launch_skinny[1](ctx, y, x, w, bias, tokens, n, k)
+    elif tokens <= 16:
+        launch_skinny[2](ctx, y, x, w, bias, tokens, n, k)
+    elif tokens <= 32:
+        launch_skinny[4](ctx, y, x, w, bias, tokens, n, k)
+    else:
+        launch_skinny[8](ctx, y, x, w, bias, tokens, n, k)
 
 
 def _launch[
@@ -341,14 +362,7 @@ struct Gemv:
         comptime if target == "gpu" and tc:
             if tokens > SKINNY_MAX_TOKENS or k % 32 != 0:
                 raise Error("gptoss_gemv GPU tensor-core path: needs T <= 64 and K % 32 == 0")
-            if tokens <= 8:
-                _launch_skinny[1](ctx, yp, xp, wp, bp, tokens, n, k)
-            elif tokens <= 16:
-                _launch_skinny[2](ctx, yp, xp, wp, bp, tokens, n, k)
-            elif tokens <= 32:
-                _launch_skinny[4](ctx, yp, xp, wp, bp, tokens, n, k)
-            else:
-                _launch_skinny[8](ctx, yp, xp, wp, bp, tokens, n, k)
+            launch_tc(ctx, yp, xp, wp, bp, tokens, n, k)
             return
         comptime if target == "gpu":
             if tokens > GEMV_MAX_TOKENS or k > GEMV_MAX_CHUNKS * 256:

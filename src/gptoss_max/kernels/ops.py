@@ -252,7 +252,8 @@ def router_topk(logits: TensorValue, k: int) -> tuple[TensorValue, TensorValue]:
     return ids.tensor, weights.tensor
 
 
-ROUTER_DECODE_MAX_TOKENS = 4  # router_decode.mojo's GPU bound (RD_MAX_TOKENS)
+ROUTER_DECODE_MAX_TOKENS = 4  # router_decode.mojo's one-launch GPU bound (RD_MAX_TOKENS)
+ROUTER_DECODE_GPU_MAX_TOKENS = 64  # its GPU bound (RD_MAX_STEP): norm + tensor-core projection past 4
 
 
 def router_decode(
@@ -265,9 +266,11 @@ def router_decode(
 ) -> tuple[TensorValue, TensorValue, TensorValue]:
     """The head of a decode step's MoE block in one op (router_decode.mojo), all bf16:
     `h = residual + attn`, `xn = rms_norm(h, gamma, eps)` (f32 inside, the weight applied before
-    the cast) and `logits = xn @ weight^T + bias`. Returns (h, xn, logits). The GPU path takes
-    T <= ROUTER_DECODE_MAX_TOKENS and H <= 4096 (a caller dispatches larger steps to the
-    unfused ops); the CPU path any T."""
+    the cast) and `logits = xn @ weight^T + bias`. Returns (h, xn, logits). Any such head fits,
+    not only the router's (the model's qkv heads use it too). The GPU path takes H <= 4096 and
+    T <= ROUTER_DECODE_MAX_TOKENS in one launch, or up to ROUTER_DECODE_GPU_MAX_TOKENS with
+    H % 32 == 0 in two (the norm, then gemv's tensor-core projection); a caller dispatches larger
+    steps to the unfused ops. The CPU path takes any T."""
     for name, v, rank in (
         ("attn", attn, 2), ("residual", residual, 2), ("gamma", gamma, 1), ("weight", weight, 2), ("bias", bias, 1),
     ):  # fmt: skip

@@ -12,7 +12,7 @@ from std.memory import stack_allocation
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
 
-from .gemv import bf16_pair_f32
+from .gemv import bf16_pair_f32, launch_tc
 
 # The head of a decode step's MoE block in one launch: the residual add after
 # attention, the post-attention RMS norm and the router's logits,
@@ -25,21 +25,31 @@ from .gemv import bf16_pair_f32
 # bytes (the router weight is 0.74 MB). Here the router rows' loads are issued
 # first and the norm is computed while they are in flight.
 #
-# GPU: a block of RD_WARPS warps, a warp per router row (expert). Every block
-# computes the norm of the step's (<= RD_MAX_TOKENS) tokens itself into shared
-# memory (a few KB read from L2) and writes its own slice of h and xn. All of
-# a thread's loads (its router row's chunks, its attn / residual / gamma
-# vectors) are issued before any of them is used: one memory round trip, then
-# two block barriers. CPU: a task per token, the same arithmetic.
+# The same op serves any "residual add + RMS norm + bf16 Linear" head: the
+# model also runs each layer's attention head through it (the previous layer's
+# residual add, the input norm and the qkv projection, arch/attention.py).
+#
+# GPU, steps of <= RD_MAX_TOKENS tokens (one launch): a block of WARPS warps, a
+# warp per weight row (4 warps for the router's 128 rows, 8 for qkv's 5,120).
+# Every block computes the norm of the step's tokens itself into shared memory
+# (a few KB read from L2) and writes its own slice of h and xn. All of a
+# thread's loads (its weight row's chunks, its attn / residual / gamma vectors)
+# are issued before any of them is used: one memory round trip, then two block
+# barriers.
+# GPU, steps of RD_MAX_TOKENS + 1 .. RD_MAX_STEP tokens (two launches): the add
+# and the norm by a block per token (add_norm_kernel), then the projection by
+# gemv.mojo's tensor-core kernel.
+# CPU: a task per token, the same arithmetic.
 
-comptime RD_WARPS = 4
 comptime RD_MAX_TOKENS = 4
+comptime RD_MAX_STEP = 64  # gemv.mojo's SKINNY_MAX_TOKENS
 comptime RD_MAX_CHUNKS = 16  # 16-byte chunks per lane: hidden <= 16 * 32 * 8 = 4096
+comptime RD_WIDE_ROWS = 1024  # weights of at least this many rows take 8 warps per block
 
 
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(RD_WARPS * 32)))
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
 def router_decode_kernel[
-    tokens: Int, chunks: Int
+    tokens: Int, chunks: Int, WARPS: Int
 ](
     h_out: Pointer[BFloat16, MutAnyOrigin],
     xn_out: Pointer[BFloat16, MutAnyOrigin],
@@ -54,13 +64,13 @@ def router_decode_kernel[
     eps: Float32,
 ):
     """tokens: the step's token count (1..RD_MAX_TOKENS); chunks: 16-byte
-    chunks per lane, ceil(K / 256). Grid: ceil(N / RD_WARPS) blocks."""
+    chunks per lane, ceil(K / 256). Grid: ceil(N / WARPS) blocks."""
     var n = Int(n_)
     var k = Int(k_)
     var lane = Int(lane_id())
     var warp = Int(warp_id())
     var tid = Int(thread_idx.x)
-    var row = Int(block_idx.x) * RD_WARPS + warp
+    var row = Int(block_idx.x) * WARPS + warp
     var nch = k // 8  # 16-byte chunks of a row
 
     # 1. This warp's router row, every chunk in flight before the norm starts.
@@ -75,8 +85,8 @@ def router_decode_kernel[
     # 2. This thread's vectors of attn, residual and gamma, also all in flight
     # at once (vector v = tid + 128 j of each token row; indices past the row
     # are clamped and their values left out of every sum and store).
-    comptime VPT = (chunks + RD_WARPS - 1) // RD_WARPS  # 16-byte vectors per thread and token
-    comptime THREADS = RD_WARPS * 32
+    comptime VPT = (chunks + WARPS - 1) // WARPS  # 16-byte vectors per thread and token
+    comptime THREADS = WARPS * 32
     var gv = Array[SIMD[DType.bfloat16, 8], VPT](fill=0)
     var hv = Array[SIMD[DType.bfloat16, 8], tokens * VPT](fill=0)  # attn, then h
     var rv = Array[SIMD[DType.bfloat16, 8], tokens * VPT](fill=0)
@@ -88,7 +98,7 @@ def router_decode_kernel[
             rv[t * VPT + j] = residual.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
 
     # 3. h = bf16(attn + residual), each token's sum of squares over the block.
-    var red = stack_allocation[tokens * RD_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    var red = stack_allocation[tokens * WARPS, Float32, address_space=AddressSpace.SHARED]()
     var ss = Array[Float32, tokens](fill=0)  # an Array: SIMD widths must be powers of two
     comptime for t in range(tokens):
         comptime for j in range(VPT):
@@ -103,20 +113,20 @@ def router_decode_kernel[
         comptime for m in range(5):
             ss[t] += shuffle_xor(ss[t], UInt32(16 >> m))
         if lane == 0:
-            red[unsafe_offset=t * RD_WARPS + warp] = ss[t]
+            red[unsafe_offset=t * WARPS + warp] = ss[t]
     barrier()
     var inv = Array[Float32, tokens](fill=0)
     comptime for t in range(tokens):
         var total = Float32(0)
-        comptime for ww in range(RD_WARPS):
-            total += red[unsafe_offset=t * RD_WARPS + ww]
+        comptime for ww in range(WARPS):
+            total += red[unsafe_offset=t * WARPS + ww]
         inv[t] = rsqrt(total / Float32(k) + eps)
 
     # 4. xn to shared memory for every warp's dot, and this block's slice of
     # h and xn to global memory.
     comptime STRIDE = chunks * 256  # bf16 per token row in shared memory
     var xs = stack_allocation[tokens * STRIDE, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
-    var blocks = (n + RD_WARPS - 1) // RD_WARPS
+    var blocks = (n + WARPS - 1) // WARPS
     var per_block = (nch + blocks - 1) // blocks
     var lo = Int(block_idx.x) * per_block
     var hi = min(lo + per_block, nch)
@@ -155,6 +165,34 @@ def router_decode_kernel[
             logits[unsafe_offset=t * n + row] = (acc[t] + b).cast[DType.bfloat16]()
 
 
+def _launch_warps[
+    tokens: Int, WARPS: Int
+](
+    ctx: DeviceContext,
+    h: Pointer[BFloat16, MutAnyOrigin],
+    xn: Pointer[BFloat16, MutAnyOrigin],
+    lg: Pointer[BFloat16, MutAnyOrigin],
+    a: Pointer[BFloat16, ImmutAnyOrigin],
+    r: Pointer[BFloat16, ImmutAnyOrigin],
+    g: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    b: Pointer[BFloat16, ImmutAnyOrigin],
+    n: Int,
+    k: Int,
+    eps: Float32,
+) raises:
+    var grid = (n + WARPS - 1) // WARPS
+    # gpt-oss's hidden is 2880: 12 chunks per lane
+    if (k // 8 + 31) // 32 <= 12:
+        ctx.enqueue_function[router_decode_kernel[tokens, 12, WARPS]](
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32
+        )
+    else:
+        ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS, WARPS]](
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32
+        )
+
+
 def _launch[
     tokens: Int
 ](
@@ -171,16 +209,88 @@ def _launch[
     k: Int,
     eps: Float32,
 ) raises:
-    var grid = (n + RD_WARPS - 1) // RD_WARPS
-    # gpt-oss's hidden is 2880: 12 chunks per lane
-    if (k // 8 + 31) // 32 <= 12:
-        ctx.enqueue_function[router_decode_kernel[tokens, 12]](
-            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=RD_WARPS * 32
-        )
+    """4 warps per block for few rows (the router: 32 blocks), 8 for many (qkv: 640 blocks, so
+    each block's norm is shared by 8 rows)."""
+    if n >= RD_WIDE_ROWS:
+        _launch_warps[tokens, 8](ctx, h, xn, lg, a, r, g, w, b, n, k, eps)
     else:
-        ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS]](
-            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=RD_WARPS * 32
-        )
+        _launch_warps[tokens, 4](ctx, h, xn, lg, a, r, g, w, b, n, k, eps)
+
+
+comptime AN_THREADS = 128
+comptime AN_VPT = RD_MAX_CHUNKS * 32 // AN_THREADS  # 16-byte vectors per thread: hidden <= 4096
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(AN_THREADS)))
+def add_norm_kernel(
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    xn_out: Pointer[BFloat16, MutAnyOrigin],
+    attn: Pointer[BFloat16, ImmutAnyOrigin],
+    residual: Pointer[BFloat16, ImmutAnyOrigin],
+    gamma: Pointer[BFloat16, ImmutAnyOrigin],
+    k_: Int64,
+    eps: Float32,
+):
+    """h = bf16(attn + residual) and xn = bf16(rms_norm(h) * gamma) of one token per block
+    (block_idx.x), the same arithmetic as router_decode_kernel's. K % 8 == 0, K <= 4096."""
+    var k = Int(k_)
+    var t = Int(block_idx.x)
+    var tid = Int(thread_idx.x)
+    var lane = Int(lane_id())
+    var warp = Int(warp_id())
+    var nch = k // 8
+    var hv = Array[SIMD[DType.bfloat16, 8], AN_VPT](fill=0)
+    var gv = Array[SIMD[DType.bfloat16, 8], AN_VPT](fill=0)
+    var rv = Array[SIMD[DType.bfloat16, 8], AN_VPT](fill=0)
+    comptime for j in range(AN_VPT):  # every load in flight before the first use
+        var v = min(tid + AN_THREADS * j, nch - 1)
+        hv[j] = attn.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
+        rv[j] = residual.unsafe_offset(t * k + 8 * v).unsafe_load[width=8, alignment=16]()
+        gv[j] = gamma.unsafe_offset(8 * v).unsafe_load[width=8, alignment=16]()
+    var ss = Float32(0)
+    comptime for j in range(AN_VPT):
+        var h = (hv[j].cast[DType.float32]() + rv[j].cast[DType.float32]()).cast[DType.bfloat16]()
+        hv[j] = h
+        if tid + AN_THREADS * j < nch:
+            var hf = h.cast[DType.float32]()
+            ss += (hf * hf).reduce_add()
+    comptime for m in range(5):
+        ss += shuffle_xor(ss, UInt32(16 >> m))
+    var red = stack_allocation[AN_THREADS // 32, Float32, address_space=AddressSpace.SHARED]()
+    if lane == 0:
+        red[unsafe_offset=warp] = ss
+    barrier()
+    var total = Float32(0)
+    comptime for ww in range(AN_THREADS // 32):
+        total += red[unsafe_offset=ww]
+    var inv = rsqrt(total / Float32(k) + eps)
+    comptime for j in range(AN_VPT):
+        var v = tid + AN_THREADS * j
+        if v < nch:
+            var xv = (hv[j].cast[DType.float32]() * inv * gv[j].cast[DType.float32]()).cast[DType.bfloat16]()
+            h_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](hv[j])
+            xn_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](xv)
+
+
+def _launch_norm_then_tc(
+    ctx: DeviceContext,
+    h: Pointer[BFloat16, MutAnyOrigin],
+    xn: Pointer[BFloat16, MutAnyOrigin],
+    lg: Pointer[BFloat16, MutAnyOrigin],
+    a: Pointer[BFloat16, ImmutAnyOrigin],
+    r: Pointer[BFloat16, ImmutAnyOrigin],
+    g: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    b: Pointer[BFloat16, ImmutAnyOrigin],
+    tokens: Int,
+    n: Int,
+    k: Int,
+    eps: Float32,
+) raises:
+    """Steps past RD_MAX_TOKENS: the add and the norm (a block per token), then the projection of
+    xn on tensor cores (gemv.mojo). Not parametric, so the package build checks it on any host."""
+    ctx.enqueue_function[add_norm_kernel](h, xn, a, r, g, Int64(k), eps, grid_dim=tokens, block_dim=AN_THREADS)
+    launch_tc(ctx, lg, xn.unsafe_mut_cast[False]().unsafe_origin_cast[ImmutAnyOrigin](), w, b, tokens, n, k)
 
 
 @extensibility.register("gptoss_router_decode")
@@ -196,9 +306,10 @@ struct RouterDecode:
       gamma    [H]     the post-attention norm's weight
       w        [E, H]  the router weight (MAX Linear's layout)
       bias     [E]
-    eps: the norm's epsilon (op parameter). H % 8 == 0. GPU: T <= 4 and
-    H <= 4096 (the caller dispatches larger steps to the unfused ops); CPU:
-    any T and H.
+    eps: the norm's epsilon (op parameter). H % 8 == 0. GPU: H <= 4096 and
+    T <= 4 (one launch) or T <= 64 with H % 32 == 0 (two: the norm, then
+    gemv.mojo's tensor-core projection); the caller dispatches larger steps to
+    the unfused ops. CPU: any T and H.
     """
 
     @staticmethod
@@ -250,8 +361,13 @@ struct RouterDecode:
         var bp = bias.unsafe_ptr()
 
         comptime if target == "gpu":
-            if tokens > RD_MAX_TOKENS or k > RD_MAX_CHUNKS * 256:
-                raise Error("gptoss_router_decode GPU path: needs T <= 4 and H <= 4096")
+            if k > RD_MAX_CHUNKS * 256:
+                raise Error("gptoss_router_decode GPU path: needs H <= 4096")
+            if tokens > RD_MAX_TOKENS:
+                if tokens > RD_MAX_STEP or k % 32 != 0:
+                    raise Error("gptoss_router_decode GPU path: past 4 tokens needs T <= 64 and H % 32 == 0")
+                _launch_norm_then_tc(ctx, hp, xp, lp, ap, rp, gp, wp, bp, tokens, n, k, eps)
+                return
             if tokens == 1:
                 _launch[1](ctx, hp, xp, lp, ap, rp, gp, wp, bp, n, k, eps)
             elif tokens == 2:
