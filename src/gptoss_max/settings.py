@@ -59,8 +59,9 @@ def moe_path() -> int:
 def router_impl() -> str:
     """`GPTOSS_MAX_ROUTER`: `auto` (= `fused`), `fused` or `max`; how a bf16 graph runs the head of
     each MoE block (the residual add after attention, the post-attention RMS norm and the router's
-    logits). `fused`: our one-launch op (kernels/router_decode.mojo) for steps of at most
-    `ops.ROUTER_DECODE_MAX_TOKENS` tokens, MAX's add + rms_norm + Linear for larger ones, chosen in
+    logits). `fused`: our op (kernels/router_decode.mojo: one launch up to 4 tokens, our add + norm
+    and tensor-core router past that) for steps of at most `arch.moe.ROUTER_HEAD_MAX_TOKENS`
+    tokens, MAX's add + rms_norm + Linear for larger ones, chosen in
     the graph from the step's token count. `max`: MAX's ops for every step. Read in the process
     that builds the graph; a float32 graph always uses MAX's."""
     value = os.environ.get("GPTOSS_MAX_ROUTER", "auto")

@@ -56,8 +56,7 @@ def attention_head(
         return [x, qkv]
 
     tokens = ops.reshape(ops.shape_to_tensor([update.shape[0]]), [])
-    # past ROUTER_DECODE_MAX_TOKENS the op's GPU path projects on tensor cores: H % 32 == 0
-    most = QKV_HEAD_MAX_TOKENS if int(hidden) % 32 == 0 else kernel_ops.ROUTER_DECODE_MAX_TOKENS
+    most = kernel_ops.router_decode_bound(int(hidden), QKV_HEAD_MAX_TOKENS)
     bound = ops.constant(most, tokens.dtype, device=tokens.device)
     out_types = [
         TensorType(update.dtype, update.shape, update.device),

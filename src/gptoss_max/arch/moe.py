@@ -20,8 +20,10 @@ from gptoss_max import maxapi, settings
 from gptoss_max.arch import dense
 from gptoss_max.kernels import ops as moe_ops
 
-# Steps of at most this many tokens take our op for the MoE block's head (`after_attention`).
-ROUTER_HEAD_MAX_TOKENS = moe_ops.ROUTER_DECODE_MAX_TOKENS
+# Steps of at most this many tokens take our op for the MoE block's head (`after_attention`): one
+# launch up to 4 tokens, our add + norm and tensor-core router past that. At 8 tokens the latter
+# takes ~4.6 us of a 120b layer against MAX's matmul's 13.3 (bench/NOTES.md).
+ROUTER_HEAD_MAX_TOKENS = 16
 
 
 class ExpertWeights(Module):
@@ -100,8 +102,8 @@ class NativeMoE(Module):
     ) -> tuple[TensorValue, TensorValue]:
         """`(h, mlp(norm(h)))` with `h = residual + attn`: the second half of a transformer block.
 
-        bf16 graphs with `GPTOSS_MAX_ROUTER` = fused (the default) take our one-launch op for the
-        add, the norm and the router's logits (`router_decode`) on steps of at most
+        bf16 graphs with `GPTOSS_MAX_ROUTER` = fused (the default) take our op for the add, the
+        norm and the router's logits (`router_decode`: one launch up to 4 tokens) on steps of at most
         `ROUTER_HEAD_MAX_TOKENS` tokens, chosen in the graph from the step's token count (the
         same choice on a CPU, whose path has no bound, so CPU tests run both branches); MAX's
         add + rms_norm and the router's Linear otherwise. With `GPTOSS_MAX_ROUTER=max` (no cond here)
@@ -128,7 +130,8 @@ class NativeMoE(Module):
             return list(moe_ops.router_decode(attn, residual, gamma, norm.eps, weight, bias))
 
         tokens = ops.reshape(ops.shape_to_tensor([attn.shape[0]]), [])
-        bound = ops.constant(ROUTER_HEAD_MAX_TOKENS, tokens.dtype, device=tokens.device)
+        most = moe_ops.router_decode_bound(int(attn.shape[1]), ROUTER_HEAD_MAX_TOKENS)
+        bound = ops.constant(most, tokens.dtype, device=tokens.device)
         out_types = [
             TensorType(attn.dtype, attn.shape, attn.device),
             TensorType(attn.dtype, attn.shape, attn.device),

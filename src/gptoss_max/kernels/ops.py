@@ -256,6 +256,12 @@ ROUTER_DECODE_MAX_TOKENS = 4  # router_decode.mojo's one-launch GPU bound (RD_MA
 ROUTER_DECODE_GPU_MAX_TOKENS = 64  # its GPU bound (RD_MAX_STEP): norm + tensor-core projection past 4
 
 
+def router_decode_bound(hidden: int, most: int) -> int:
+    """The largest step, up to `most`, that a caller may hand router_decode's GPU path for this
+    hidden size: past ROUTER_DECODE_MAX_TOKENS it projects on tensor cores, which need H % 32 == 0."""
+    return min(most, ROUTER_DECODE_GPU_MAX_TOKENS if hidden % 32 == 0 else ROUTER_DECODE_MAX_TOKENS)
+
+
 def router_decode(
     attn: TensorValue,
     residual: TensorValue,
