@@ -45,11 +45,13 @@ comptime RD_MAX_TOKENS = 4
 comptime RD_MAX_STEP = 64  # gemv.mojo's SKINNY_MAX_TOKENS
 comptime RD_MAX_CHUNKS = 16  # 16-byte chunks per lane: hidden <= 16 * 32 * 8 = 4096
 comptime RD_WIDE_ROWS = 1024  # weights of at least this many rows take 8 warps per block
+comptime RD_WIDE_MINB = 2  # ... and at least this many blocks per SM (nvvm.minctasm)
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MINB))
 def router_decode_kernel[
-    tokens: Int, chunks: Int, WARPS: Int
+    tokens: Int, chunks: Int, WARPS: Int, MINB: Int = 1
 ](
     h_out: Pointer[BFloat16, MutAnyOrigin],
     xn_out: Pointer[BFloat16, MutAnyOrigin],
@@ -166,7 +168,7 @@ def router_decode_kernel[
 
 
 def _launch_warps[
-    tokens: Int, WARPS: Int
+    tokens: Int, WARPS: Int, MINB: Int = 1
 ](
     ctx: DeviceContext,
     h: Pointer[BFloat16, MutAnyOrigin],
@@ -184,11 +186,11 @@ def _launch_warps[
     var grid = (n + WARPS - 1) // WARPS
     # gpt-oss's hidden is 2880: 12 chunks per lane
     if (k // 8 + 31) // 32 <= 12:
-        ctx.enqueue_function[router_decode_kernel[tokens, 12, WARPS]](
+        ctx.enqueue_function[router_decode_kernel[tokens, 12, WARPS, MINB]](
             h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32
         )
     else:
-        ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS, WARPS]](
+        ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS, WARPS, MINB]](
             h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32
         )
 
@@ -212,7 +214,7 @@ def _launch[
     """4 warps per block for few rows (the router: 32 blocks), 8 for many (qkv: 640 blocks, so
     each block's norm is shared by 8 rows)."""
     if n >= RD_WIDE_ROWS:
-        _launch_warps[tokens, 8](ctx, h, xn, lg, a, r, g, w, b, n, k, eps)
+        _launch_warps[tokens, 8, RD_WIDE_MINB](ctx, h, xn, lg, a, r, g, w, b, n, k, eps)
     else:
         _launch_warps[tokens, 4](ctx, h, xn, lg, a, r, g, w, b, n, k, eps)
 
@@ -363,7 +365,9 @@ struct RouterDecode:
         comptime if target == "gpu":
             if k > RD_MAX_CHUNKS * 256:
                 raise Error("gptoss_router_decode GPU path: needs H <= 4096")
-            if tokens > RD_MAX_TOKENS:
+            # Many rows and more than one token: the one-launch kernel's registers grow with the
+            # tokens (160 at 2, 8 warps: one block per SM), so the norm and tensor cores instead.
+            if tokens > RD_MAX_TOKENS or (tokens > 1 and n >= RD_WIDE_ROWS and k % 32 == 0):
                 if tokens > RD_MAX_STEP or k % 32 != 0:
                     raise Error("gptoss_router_decode GPU path: past 4 tokens needs T <= 64 and H % 32 == 0")
                 _launch_norm_then_tc(ctx, hp, xp, lp, ap, rp, gp, wp, bp, tokens, n, k, eps)
