@@ -36,16 +36,18 @@ from .gemv import bf16_pair_f32, launch_tc
 # thread's loads (its weight row's chunks, its attn / residual / gamma vectors)
 # are issued before any of them is used: one memory round trip, then two block
 # barriers.
-# GPU, steps of RD_MAX_TOKENS + 1 .. RD_MAX_STEP tokens (two launches): the add
-# and the norm by a block per token (add_norm_kernel), then the projection by
-# gemv.mojo's tensor-core kernel.
+# GPU, steps of RD_MAX_TOKENS + 1 .. RD_MAX_STEP tokens, and many-row weights
+# at 2..4 tokens (two launches): the add and the norm by a block per token
+# (add_norm_kernel), then the projection by gemv.mojo's tensor-core kernel.
 # CPU: a task per token, the same arithmetic.
 
 comptime RD_MAX_TOKENS = 4
 comptime RD_MAX_STEP = 64  # gemv.mojo's SKINNY_MAX_TOKENS
 comptime RD_MAX_CHUNKS = 16  # 16-byte chunks per lane: hidden <= 16 * 32 * 8 = 4096
 comptime RD_WIDE_ROWS = 1024  # weights of at least this many rows take 8 warps per block
-comptime RD_WIDE_MINB = 2  # ... and at least this many blocks per SM (nvvm.minctasm)
+# ... and at least this many blocks per SM (nvvm.minctasm): ptxas gives the one-token kernel 119
+# registers by itself; forcing 3 or 4 blocks spills (qkv head 13.6 -> 17.3 / 26.7 us on an H100)
+comptime RD_WIDE_MINB = 2
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
