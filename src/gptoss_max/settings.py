@@ -27,6 +27,14 @@ def api_key() -> str | None:
     return os.environ.get("GPTOSS_MAX_API_KEY") or None
 
 
+def _choice(name: str, auto: str, *choices: str) -> str:
+    """The setting `name`: `auto` (the default, read as `auto`'s value) or one of `choices`."""
+    value = os.environ.get(name, "auto")
+    if value not in ("auto", *choices):
+        raise ValueError(f"{name} must be {', '.join(['auto', *choices[:-1]])} or {choices[-1]}, not {value!r}")
+    return auto if value == "auto" else value
+
+
 def attention_impl() -> str:
     """`GPTOSS_MAX_ATTENTION`: `auto` (= `hybrid`), `hybrid`, `ours` or `max`; what a GPU graph's
     attention core is (a CPU graph always uses ours: MAX's over-counts sinks past 128 keys and
@@ -37,10 +45,7 @@ def attention_impl() -> str:
     for steps that hold a prompt chunk (its prefill path agrees with the reference and uses tensor
     cores), ours for pure decode steps; chosen in the graph from the step's max prompt length.
     """
-    value = os.environ.get("GPTOSS_MAX_ATTENTION", "auto")
-    if value not in ("auto", "hybrid", "ours", "max"):
-        raise ValueError(f"GPTOSS_MAX_ATTENTION must be auto, hybrid, ours or max, not {value!r}")
-    return "hybrid" if value == "auto" else value
+    return _choice("GPTOSS_MAX_ATTENTION", "hybrid", "hybrid", "ours", "max")
 
 
 def moe_path() -> int:
@@ -64,10 +69,7 @@ def router_impl() -> str:
     tokens, MAX's add + rms_norm + Linear for larger ones, chosen in
     the graph from the step's token count. `max`: MAX's ops for every step. Read in the process
     that builds the graph; a float32 graph always uses MAX's."""
-    value = os.environ.get("GPTOSS_MAX_ROUTER", "auto")
-    if value not in ("auto", "fused", "max"):
-        raise ValueError(f"GPTOSS_MAX_ROUTER must be auto, fused or max, not {value!r}")
-    return "fused" if value == "auto" else value
+    return _choice("GPTOSS_MAX_ROUTER", "fused", "fused", "max")
 
 
 def topk_impl() -> str:
@@ -75,10 +77,7 @@ def topk_impl() -> str:
     router's top-k. `experts`: inside the experts' first op (gptoss_moe_route_gate_up_mxfp4), which
     on the GPU needs no launch of its own for a one-token step. `op`: our top-k op before the
     experts. Same values either way. Read in the process that builds the graph."""
-    value = os.environ.get("GPTOSS_MAX_TOPK", "auto")
-    if value not in ("auto", "experts", "op"):
-        raise ValueError(f"GPTOSS_MAX_TOPK must be auto, experts or op, not {value!r}")
-    return "experts" if value == "auto" else value
+    return _choice("GPTOSS_MAX_TOPK", "experts", "experts", "op")
 
 
 def rope_impl() -> str:
@@ -87,10 +86,7 @@ def rope_impl() -> str:
     the GPU is one launch for a pure decode step of at most 16 tokens. `max`: MAX's rope_split_store_ragged before our
     op. Steps given to MAX's attention (`GPTOSS_MAX_ATTENTION`) always use MAX's. Same values either
     way up to f32 rounding order. Read in the process that builds the graph."""
-    value = os.environ.get("GPTOSS_MAX_ROPE", "auto")
-    if value not in ("auto", "fused", "max"):
-        raise ValueError(f"GPTOSS_MAX_ROPE must be auto, fused or max, not {value!r}")
-    return "fused" if value == "auto" else value
+    return _choice("GPTOSS_MAX_ROPE", "fused", "fused", "max")
 
 
 def dense_impl() -> str:
@@ -100,10 +96,7 @@ def dense_impl() -> str:
     Linear for the others, chosen in the graph from the step's token count. `max`: MAX's Linear
     for every step. Same values up to f32 summation order. Read in the process that builds the
     graph; a float32 graph always uses MAX's."""
-    value = os.environ.get("GPTOSS_MAX_DENSE", "auto")
-    if value not in ("auto", "tc", "max"):
-        raise ValueError(f"GPTOSS_MAX_DENSE must be auto, tc or max, not {value!r}")
-    return "tc" if value == "auto" else value
+    return _choice("GPTOSS_MAX_DENSE", "tc", "tc", "max")
 
 
 def qkv_head_impl() -> str:
@@ -116,10 +109,7 @@ def qkv_head_impl() -> str:
     `GPTOSS_MAX_DENSE`'s choice). Needs our attention (`GPTOSS_MAX_ATTENTION` not `max`). Same values
     up to f32 summation order. Read in the process that builds the graph; a float32 graph always
     uses MAX's."""
-    value = os.environ.get("GPTOSS_MAX_QKV_HEAD", "auto")
-    if value not in ("auto", "fused", "max"):
-        raise ValueError(f"GPTOSS_MAX_QKV_HEAD must be auto, fused or max, not {value!r}")
-    return "fused" if value == "auto" else value
+    return _choice("GPTOSS_MAX_QKV_HEAD", "fused", "fused", "max")
 
 
 # The settings above that change what the model computes or how fast (data paths and keys do not).
