@@ -55,14 +55,12 @@ def attention_head(
         x, _, qkv = kernel_ops.router_decode(update, residual, gamma, norm.eps, w, b)
         return [x, qkv]
 
-    tokens = ops.reshape(ops.shape_to_tensor([update.shape[0]]), [])
     most = kernel_ops.router_decode_bound(int(hidden), QKV_HEAD_MAX_TOKENS)
-    bound = ops.constant(most, tokens.dtype, device=tokens.device)
     out_types = [
         TensorType(update.dtype, update.shape, update.device),
         TensorType(update.dtype, [update.shape[0], w.shape[0]], update.device),
     ]
-    x, qkv = ops.cond(ops.greater_equal(bound, tokens), out_types, fused, unfused)
+    x, qkv = ops.cond(dense.tokens_within(update, most), out_types, fused, unfused)
     return x, qkv
 
 

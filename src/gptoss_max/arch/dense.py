@@ -48,9 +48,15 @@ def project(linear: Module, x: TensorValue) -> TensorValue:
     def theirs() -> TensorValue:
         return linear(x)
 
-    tokens = ops.reshape(ops.shape_to_tensor([x.shape[0]]), [])
-    lo = ops.constant(DENSE_MIN_TOKENS, tokens.dtype, device=tokens.device)
-    hi = ops.constant(DENSE_MAX_TOKENS, tokens.dtype, device=tokens.device)
-    take = ops.logical_and(ops.greater_equal(tokens, lo), ops.greater_equal(hi, tokens))
     out = TensorType(x.dtype, [x.shape[0], w.shape[0]], x.device)
-    return ops.cond(take, [out], ours, theirs)[0]
+    return ops.cond(tokens_within(x, DENSE_MAX_TOKENS, least=DENSE_MIN_TOKENS), [out], ours, theirs)[0]
+
+
+def tokens_within(x: TensorValue, most: int, least: int | None = None) -> TensorValue:
+    """A scalar bool for ops.cond: the step's token count (x's first dimension) is at most `most`
+    (and at least `least`, when given)."""
+    tokens = ops.reshape(ops.shape_to_tensor([x.shape[0]]), [])
+    take = ops.greater_equal(ops.constant(most, tokens.dtype, device=tokens.device), tokens)
+    if least is not None:
+        take = ops.logical_and(ops.greater_equal(tokens, ops.constant(least, tokens.dtype, device=tokens.device)), take)
+    return take

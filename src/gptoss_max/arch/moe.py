@@ -129,15 +129,13 @@ class NativeMoE(Module):
         def fused() -> list[TensorValue]:
             return list(moe_ops.router_decode(attn, residual, gamma, norm.eps, weight, bias))
 
-        tokens = ops.reshape(ops.shape_to_tensor([attn.shape[0]]), [])
         most = moe_ops.router_decode_bound(int(attn.shape[1]), ROUTER_HEAD_MAX_TOKENS)
-        bound = ops.constant(most, tokens.dtype, device=tokens.device)
         out_types = [
             TensorType(attn.dtype, attn.shape, attn.device),
             TensorType(attn.dtype, attn.shape, attn.device),
             TensorType(attn.dtype, [attn.shape[0], weight.shape[0]], attn.device),
         ]
-        h, xn, logits = ops.cond(ops.greater_equal(bound, tokens), out_types, fused, unfused)
+        h, xn, logits = ops.cond(dense.tokens_within(attn, most), out_types, fused, unfused)
         return h, self._experts_of(xn, logits)
 
     # MAX's transformer block shards every mlp; one device is all we support so far.
@@ -167,6 +165,10 @@ class DeferredAdd:
     def value(self) -> TensorValue:
         return self.residual + self.update
 
+    @staticmethod
+    def resolved(x: TensorValue | DeferredAdd) -> TensorValue:
+        return x.value() if isinstance(x, DeferredAdd) else x
+
 
 class FusedRouterBlock(maxapi.GptOssTransformerBlock):
     """MAX's gpt-oss transformer block whose second half is `NativeMoE.after_attention` on one
@@ -179,7 +181,7 @@ class FusedRouterBlock(maxapi.GptOssTransformerBlock):
 
     def __call__(self, layer_idx, xs, signal_buffers, kv_collections, input_row_offsets, **kwargs):  # type: ignore[override]
         if len(xs) != 1 or not isinstance(self.mlp, NativeMoE):
-            xs = [x.value() if isinstance(x, DeferredAdd) else x for x in xs]
+            xs = [DeferredAdd.resolved(x) for x in xs]
             return super().__call__(layer_idx, xs, signal_buffers, kv_collections, input_row_offsets, **kwargs)
         (x,) = xs
         attention, norm = self.self_attn_shards[0], self.input_layernorm_shards[0]
@@ -187,7 +189,7 @@ class FusedRouterBlock(maxapi.GptOssTransformerBlock):
             x, qkv = attention.head(x.residual, x.update, norm)
             attn = attention(None, kv_collections[0], qkv=qkv, input_row_offsets=input_row_offsets[0], **kwargs)
         else:
-            x = x.value() if isinstance(x, DeferredAdd) else x
+            x = DeferredAdd.resolved(x)
             attn = attention(norm(x), kv_collections[0], input_row_offsets=input_row_offsets[0], **kwargs)
         (attn,) = self.allreduce([attn], signal_buffers)
         h, mlp_out = self.mlp.after_attention(attn, x, self.post_attention_layernorm_shards[0])
