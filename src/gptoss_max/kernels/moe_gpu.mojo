@@ -608,6 +608,231 @@ def gate_up_kernel[
         first += TOK_PASS
 
 
+# ------------------------------------------------------------ lean one-token gate_up (v18)
+#
+# A one-token step's gate_up as more, shorter chains: LEAN_KS warps share each
+# 16-row tile, each over its part of H, and sum their fragments in shared
+# memory. The main kernel's warp holds a whole batch's decoded pairs and two
+# batches of activation fragments in registers (121 registers: 12 warps per
+# SM, so its 1,440 warps of 23 batches each are the most one wave holds). Here
+# a batch is decoded just in time, one mma's four pair words at a time, and
+# the activations come from a decode-ordered copy of x in shared memory (one
+# 8-byte load per mma), so the registers fit LEAN_MIN_WARPS warps per SM:
+# LEAN_KS * 1,440 warps of ~23 / LEAN_KS batches in one wave.
+comptime LEAN_KS = 2  # warps per tile (0: the one-token step keeps gate_up_kernel)
+comptime LEAN_MIN_WARPS = 22  # resident warps per SM the registers are held to
+# u32 words per staged x block: 16 used; a stride of 20 puts the 4 quads' 8-byte
+# loads of one mma in distinct banks
+comptime LEAN_X_STRIDE = 20
+comptime LEAN_SLOTS = ((MAX_K_BLOCKS + max(LEAN_KS, 1) - 1) // max(LEAN_KS, 1) + 3) // 4 * 4
+comptime SharedU32 = Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+
+
+@always_inline
+def _stage_x_words(xrow: Pointer[UInt32, _], c0: Int, nloc: Int, nslots: Int, xs: SharedU32):
+    """Warp-wide: x blocks c0 .. c0 + nloc - 1 (bf16, natural order) into xs
+    as decode-ordered pair words (LEAN_X_STRIDE per block), zero blocks after
+    them up to nslots (the clamped weight blocks past the end meet these)."""
+    for j in range(Int(lane_id()), nslots, 32):
+        var hi = SIMD[DType.uint32, 16](0)
+        if j < nloc:
+            hi = _load_a[A_BF16](xrow, 0, c0 + j)[0]
+        var d = xs + j * LEAN_X_STRIDE
+        comptime for v4 in range(4):
+            d.unsafe_store[width=4, alignment=16](
+                4 * v4, SIMD[DType.uint32, 4](hi[4 * v4], hi[4 * v4 + 1], hi[4 * v4 + 2], hi[4 * v4 + 3])
+            )
+    syncwarp()
+
+
+@always_inline
+def _decode_scaled[big: Bool](v: UInt32, sc: UInt32) -> UInt32:
+    """decode_pair of v with scale byte sc, as _decode_block does it."""
+    comptime if big:
+        var m2u = (max(sc, 128) - 1) << 7
+        var mult2 = bitcast[DType.bfloat16, 2](m2u | (m2u << 16))
+        var d = decode_pair(v, scale_mult(min(sc, 128)))
+        return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
+    else:
+        return decode_pair(v, scale_mult(sc))
+
+
+@always_inline
+def _lean_batch[
+    big: Bool, slot: Int
+](
+    wv: Array[SIMD[DType.uint32, 4], RING],
+    sv: Array[UInt32, RING],
+    mut acc0: SIMD[DType.float32, 4],
+    mut acc1: SIMD[DType.float32, 4],
+    xb: SharedU32,
+):
+    """_mma_batch for one token, decoding each mma's A words just before it
+    and reading its B words (this lane's x block, xb) from shared memory."""
+    comptime i = 2 * slot
+    comptime for t in range(8):
+        comptime w4 = t // 2
+        comptime s0 = 2 * (t % 2)
+        var a = bitcast[DType.bfloat16, 8](
+            SIMD[DType.uint32, 4](
+                _decode_scaled[big](wv[i][w4] << UInt32(4 * s0), sv[i]),
+                _decode_scaled[big](wv[i + 1][w4] << UInt32(4 * s0), sv[i + 1]),
+                _decode_scaled[big](wv[i][w4] << UInt32(4 * s0 + 4), sv[i]),
+                _decode_scaled[big](wv[i + 1][w4] << UInt32(4 * s0 + 4), sv[i + 1]),
+            )
+        )
+        var b = bitcast[DType.bfloat16, 4](xb.unsafe_load[width=2, alignment=8](2 * t))
+        comptime if t % 2 == 0:
+            mma(acc0, a, b, acc0)
+        else:
+            mma(acc1, a, b, acc1)
+
+
+@always_inline
+def _lean_loop[
+    big: Bool
+](
+    mut wv: Array[SIMD[DType.uint32, 4], RING],
+    mut sv: Array[UInt32, RING],
+    w_g: Pointer[UInt32, _],
+    w_g8: Pointer[UInt32, _],
+    s_g: SharedU8,
+    s_g8: SharedU8,
+    c0: Int,
+    nchunks: Int,
+    xs: SharedU32,
+) -> SIMD[DType.float32, 4]:
+    """_tile_loop with _lean_batch (batches 0 .. DEPTH - 2 already in flight)."""
+    var q = Int(lane_id()) & 3
+    var nb = (nchunks + 3) // 4
+    var acc0 = SIMD[DType.float32, 4](0)
+    var acc1 = SIMD[DType.float32, 4](0)
+    var bt = 0
+    while bt < nb:
+        comptime for i in range(DEPTH):
+            if bt + i < nb:
+                if bt + i + DEPTH - 1 < nb:
+                    comptime nxt = (i + DEPTH - 1) % DEPTH
+                    _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + DEPTH - 1, q)
+                    _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
+                _lean_batch[big, i](wv, sv, acc0, acc1, xs + (4 * (bt + i) + q) * LEAN_X_STRIDE)
+        bt += DEPTH
+    return acc0 + acc1
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(max(LEAN_KS, 1) * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(LEAN_MIN_WARPS // max(LEAN_KS, 1)))
+def gate_up_lean_kernel[
+    route: Int
+](
+    h: Pointer[Float32, MutAnyOrigin],
+    counters: Pointer[UInt32, MutAnyOrigin],
+    n_counters_: Int64,
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    logits: Pointer[BFloat16, ImmutAnyOrigin],
+    ids_out: Pointer[Int32, MutAnyOrigin],
+    wts_out: Pointer[Float32, MutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k_: Int64,
+    n_experts_: Int64,
+    rows_: Int64,
+    hidden_: Int64,
+):
+    """gate_up_kernel[bf16, _, one_token=True, route] as LEAN_KS warps per
+    16-row tile (grid: row tiles x top_k pair slots): warp w takes blocks
+    [w * nb / KS, (w + 1) * nb / KS) of H, warp 0 adds the others' fragments
+    and writes h."""
+    comptime KS = max(LEAN_KS, 1)
+    comptime XS_WORDS = LEAN_SLOTS * LEAN_X_STRIDE
+    var n_counters = Int(n_counters_)
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var rows = Int(rows_)
+    var hidden = Int(hidden_)
+    var w = Int(warp_id())
+    var lane = Int(lane_id())
+    var tid = Int(thread_idx.x)
+    var sms = stack_allocation[KS * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    var sm = sms + w * TILE_SCALES
+    var xss = stack_allocation[KS * XS_WORDS, UInt32, alignment=16, address_space=AddressSpace.SHARED]()
+    var xs = xss + w * XS_WORDS
+    var red = stack_allocation[KS * 128, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    var bw = stack_allocation[16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    if block_idx.x == 0 and block_idx.y == 0:
+        for i in range(tid, n_counters, KS * 32):
+            counters[unsafe_offset=i] = 0
+    var e: Int
+    comptime if route > 0:
+        var mine = warp_topk[DType.bfloat16, route](logits, n_experts, top_k)
+        if block_idx.x == 0 and block_idx.y == 0 and w == 0 and lane < top_k:
+            ids_out[unsafe_offset=lane] = mine[0]
+            wts_out[unsafe_offset=lane] = mine[1]
+        e = Int(shuffle_idx(mine[0], UInt32(block_idx.y)))
+    else:
+        e = Int(ids[unsafe_offset=Int(block_idx.y)])
+    if e < 0 or e >= n_experts:
+        return  # the whole block: every warp finds the same e
+    var nchunks = hidden // 32
+    var kc0 = nchunks * w // KS
+    var nloc = nchunks * (w + 1) // KS - kc0
+    var nb = (nloc + 3) // 4
+    var r0 = Int(block_idx.x) * 16
+    var g = lane >> 2
+    var q = lane & 3
+    var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
+    if w == 0:
+        if lane < 16 and r0 + lane < rows:
+            async_copy[4](
+                bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane
+            )
+    async_copy_commit_group()
+    var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
+    var sv = Array[UInt32, RING](fill=0)
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _load_batch[i](wv, rp[0], rp[1], kc0, nloc, i, q)
+    # While those fly: the tile's scales (and the scan for scales above 128)
+    # and this warp's part of x, both into shared memory.
+    var big = _stage_scales(rp[4], min(16, rows - r0) * nchunks, sm)
+    _stage_x_words(x.unsafe_bitcast[UInt32](), kc0, nloc, 4 * nb, xs)
+    var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
+    var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _read_scales[i](sv, ss_g, ss_g8, kc0, nloc, i, q)
+    var acc: SIMD[DType.float32, 4]
+    if big:
+        acc = _lean_loop[True](wv, sv, rp[0], rp[1], ss_g, ss_g8, kc0, nloc, xs)
+    else:
+        acc = _lean_loop[False](wv, sv, rp[0], rp[1], ss_g, ss_g8, kc0, nloc, xs)
+    comptime if KS > 1:
+        (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
+    async_copy_wait_group(0)
+    barrier()
+    if w != 0:
+        return
+    comptime for j in range(1, KS):
+        acc += (red + (j * 32 + lane) * 4).unsafe_load[width=4, alignment=16](0)
+    # As gate_up_kernel's epilogue for its one pair (token 0 = column 0 of the
+    # fragment): rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4.
+    var odd = (g & 1) != 0
+    var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
+    var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
+    if q == 0 and not odd:
+        var inter = rows // 2
+        var hb = h.unsafe_bitcast[BFloat16]()
+        var pt = Int(block_idx.y)
+        comptime for hh in range(2):
+            var gr = r0 + g + 8 * hh
+            if gr + 1 < rows:
+                var gate = acc[2 * hh] + bw[gr - r0]
+                var up = (got0 if hh == 0 else got1) + bw[gr - r0 + 1]
+                hb[unsafe_offset=pt * 2 * inter + h_slot(gr >> 1)] = gptoss_swiglu(gate, up).cast[DType.bfloat16]()
+
+
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(_min_blocks_per_sm(warps)))
 def down_kernel[
@@ -884,6 +1109,36 @@ def _launch_gate_up[
     )
 
 
+def _launch_gate_up_lean[
+    route: Int
+](
+    ctx: DeviceContext,
+    h: Pointer[Float32, MutAnyOrigin],
+    counters: Pointer[UInt32, MutAnyOrigin],
+    n_count: Int,
+    x: Pointer[BFloat16, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    logits: Pointer[BFloat16, ImmutAnyOrigin],
+    ids_out: Pointer[Int32, MutAnyOrigin],
+    wts_out: Pointer[Float32, MutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k: Int,
+    n_experts: Int,
+    rows: Int,
+    hidden: Int,
+) raises:
+    if top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
+        raise Error("gptoss MoE GPU path: needs top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
+    ctx.enqueue_function[gate_up_lean_kernel[route]](
+        h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
+        Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
+        grid_dim=((rows + 15) // 16, top_k),
+        block_dim=LEAN_KS * 32,
+    )
+
+
 def launch_gate_up[
     x_dtype: DType
 ](
@@ -903,6 +1158,14 @@ def launch_gate_up[
     hidden: Int,
 ) raises:
     """gate_up for at most CHUNK_TOKENS tokens; also zeroes the counters."""
+    comptime if x_dtype == DType.bfloat16 and LEAN_KS > 0:
+        if tokens == 1:
+            var xb = x.unsafe_bitcast[BFloat16]()
+            _launch_gate_up_lean[0](
+                ctx, h, counters, n_count, xb, ids, xb, ids.unsafe_mut_cast[True](), h, blocks, scales, bias,
+                top_k, n_experts, rows, hidden,
+            )
+            return
     if tokens == 1:
         _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True](
             ctx, h, counters, n_count, x, ids, x, ids.unsafe_mut_cast[True](), h, blocks, scales, bias,
@@ -943,6 +1206,20 @@ def launch_route_gate_up[
     (E <= 256, K <= 32; writes ids_out [K], wts_out [K]); also zeroes the
     counters."""
     var ids = ids_out.unsafe_mut_cast[False]().unsafe_origin_cast[ImmutAnyOrigin]()
+    comptime if x_dtype == DType.bfloat16 and LEAN_KS > 0:
+        var xb = x.unsafe_bitcast[BFloat16]()
+        var lb = logits.unsafe_bitcast[BFloat16]()
+        if n_experts <= 128:
+            _launch_gate_up_lean[4](
+                ctx, h, counters, n_count, xb, ids, lb, ids_out, wts_out, blocks, scales, bias,
+                top_k, n_experts, rows, hidden,
+            )
+        else:
+            _launch_gate_up_lean[8](
+                ctx, h, counters, n_count, xb, ids, lb, ids_out, wts_out, blocks, scales, bias,
+                top_k, n_experts, rows, hidden,
+            )
+        return
     if n_experts <= 128:
         _launch_gate_up[x_dtype, GATE_UP_WARPS_FEW, True, 4](
             ctx, h, counters, n_count, x, ids, logits, ids_out, wts_out, blocks, scales, bias,
