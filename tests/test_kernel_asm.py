@@ -28,10 +28,18 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "gemv.skinny_kernel[8, 8]",
         "router_decode.router_decode_kernel[1, 12, 8]",
         "router_decode.add_norm_kernel",
+        "moe_gpu.gate_up_lean_kernel[4]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny, qkv_head, add_norm = ptx.values()
+    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny, qkv_head, add_norm, lean = (
+        ptx.values()
+    )
+    # the lean one-token gate_up (v18): LEAN_KS = 2 warps per tile, held to 22 warps per SM, its x
+    # from shared memory, the warps' fragments summed behind a barrier, the top-k taken as above
+    assert ".maxntid 64" in lean and ".minnctapersm 11" in lean
+    assert "mma.sync.aligned.m16n8k16" in lean and "redux.sync.max.u32" in lean
+    assert "ld.shared.v2.b32" in lean and "bar.sync" in lean and "cp.async" in lean
     # the tensor-core projection: bf16 mma on 8 n tiles, the warps' partials met in shared memory
     assert ".entry" in skinny and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in skinny
     assert "bar.sync" in skinny

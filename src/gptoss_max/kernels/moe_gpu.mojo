@@ -46,6 +46,8 @@
 # load (v12c). Each warp also copies its tile's scale bytes to shared memory
 # once (with the scan for scales above 128) instead of loading two bytes from
 # global memory per batch.
+# With bf16 activations a one-token gate_up runs gate_up_lean_kernel instead:
+# two warps per tile over halves of H, x staged in shared memory (v18).
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
