@@ -213,20 +213,24 @@ def _decode_block[
     scaled by 2^(sc-127). big: some scale of the batch is above 128, so the
     scale is two exact multiplies, 2^(min(s,128)-1) and 2^(max(s,128)-128)."""
     var pairs = SIMD[DType.uint32, 16](0)
+    comptime for w4 in range(4):
+        comptime for s4 in range(4):
+            pairs[4 * w4 + s4] = _decode_scaled[big](w[w4] << UInt32(4 * s4), sc)
+    return pairs
+
+
+@always_inline
+def _decode_scaled[big: Bool](v: UInt32, sc: UInt32) -> UInt32:
+    """decode_pair of v (nibbles 3 and 7) scaled by 2^(sc-127): one bf16
+    multiply, or with big (a scale above 128 somewhere) two exact ones,
+    2^(min(s,128)-1) and 2^(max(s,128)-128)."""
     comptime if big:
         var m2u = (max(sc, 128) - 1) << 7
         var mult2 = bitcast[DType.bfloat16, 2](m2u | (m2u << 16))
-        var mult1 = scale_mult(min(sc, 128))
-        comptime for w4 in range(4):
-            comptime for s4 in range(4):
-                var d = decode_pair(w[w4] << UInt32(4 * s4), mult1)
-                pairs[4 * w4 + s4] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
+        var d = decode_pair(v, scale_mult(min(sc, 128)))
+        return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
     else:
-        var mult = scale_mult(sc)
-        comptime for w4 in range(4):
-            comptime for s4 in range(4):
-                pairs[4 * w4 + s4] = decode_pair(w[w4] << UInt32(4 * s4), mult)
-    return pairs
+        return decode_pair(v, scale_mult(sc))
 
 
 @always_inline
@@ -645,18 +649,6 @@ def _stage_x_words(xrow: Pointer[UInt32, _], c0: Int, nloc: Int, nslots: Int, xs
                 4 * v4, SIMD[DType.uint32, 4](hi[4 * v4], hi[4 * v4 + 1], hi[4 * v4 + 2], hi[4 * v4 + 3])
             )
     syncwarp()
-
-
-@always_inline
-def _decode_scaled[big: Bool](v: UInt32, sc: UInt32) -> UInt32:
-    """decode_pair of v with scale byte sc, as _decode_block does it."""
-    comptime if big:
-        var m2u = (max(sc, 128) - 1) << 7
-        var mult2 = bitcast[DType.bfloat16, 2](m2u | (m2u << 16))
-        var d = decode_pair(v, scale_mult(min(sc, 128)))
-        return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
-    else:
-        return decode_pair(v, scale_mult(sc))
 
 
 @always_inline
@@ -1079,6 +1071,12 @@ def n_counters(hidden: Int) -> Int:
     return (hidden + COUNTER_TILE_ROWS - 1) // COUNTER_TILE_ROWS
 
 
+def _check_gate_up(n_pairs: Int, n_experts: Int, hidden: Int) raises:
+    """The shapes both gate_up kernels take (pairs = tokens * top_k)."""
+    if n_pairs > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
+        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
+
+
 def _launch_gate_up[
     x_dtype: DType, warps: Int, one_token: Bool, route: Int = 0
 ](
@@ -1101,8 +1099,7 @@ def _launch_gate_up[
     hidden: Int,
 ) raises:
     var n_pairs = tokens * top_k
-    if n_pairs > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
-        raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
+    _check_gate_up(n_pairs, n_experts, hidden)
     ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token, route]](
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
@@ -1131,8 +1128,7 @@ def _launch_gate_up_lean[
     rows: Int,
     hidden: Int,
 ) raises:
-    if top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or hidden % 32 != 0 or hidden > 32 * MAX_K_BLOCKS:
-        raise Error("gptoss MoE GPU path: needs top_k <= 256, E <= 256, H % 32 == 0, H <= 3072")
+    _check_gate_up(top_k, n_experts, hidden)
     ctx.enqueue_function[gate_up_lean_kernel[route]](
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
