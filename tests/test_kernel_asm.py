@@ -29,12 +29,17 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "router_decode.router_decode_kernel[1, 12, 8]",
         "router_decode.add_norm_kernel",
         "moe_gpu.gate_up_lean_kernel[4]",
+        "moe_gpu.down_kernel[DType.bfloat16, 4, 1]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny, qkv_head, add_norm, lean = (
+    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny, qkv_head, add_norm, lean, down = (
         ptx.values()
     )
+    # the multi-token down's last block (v19): after its counter increment, a round's 8 x 4 partial
+    # loads are all issued before the first add (they used to wait one after another)
+    tail = down[down.index("atom.") :]
+    assert tail[: tail.index("add.f32")].count("ld.volatile.global") == 32
     # the lean one-token gate_up (v18): LEAN_KS = 2 warps per tile, held to 22 warps per SM, its x
     # from shared memory, the warps' fragments summed behind a barrier, the top-k taken as above
     assert ".maxntid 64" in lean and ".minnctapersm 11" in lean
