@@ -5,7 +5,10 @@ variants for T <= 2, the tensor-core one for T <= 64) against the path the model
 step MAX runs qkv and o_proj at ~2.4 TB/s, at batch 8 its sm90 matmul at ~1 TB/s, bench/NOTES.md).
 
 For gpt-oss's shapes (qkv 2880 -> 5120, o_proj 4096 -> 2880, router 2880 -> 128) and each T:
-  staged_us / regs_us / tc_us / max_us
+  staged_us / regs_us / tc_us / max_us / maxt_us
+      (maxt: MAX's matmul the other way round, W [N, K] times x^T, so the weight rows are its M
+      and the tokens its N, then the [N, T] result transposed back: a probe of whether MAX's
+      sm90 matmul picks a better tile for a skinny step that way)
       one projection: the slope of CUDA-event time between a graph of 1 and of 1 + chain
       projections (launch and host costs of a graph cancel), each projection reading its own
       weight, the weights rotated over two pools per graph so every read misses L2 (not the
@@ -31,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import copy_bandwidth, finish, open_gpu, result_header  # noqa: E402  (bench/moe.py)
 
 SHAPES = {"qkv": (2880, 5120), "o_proj": (4096, 2880), "router": (2880, 128)}  # K, N
-VARIANTS = ("staged", "regs", "tc", "max")
-MAX_TOKENS = {"staged": 2, "regs": 2, "tc": 64, "max": 1 << 30}  # the GPU bound of each variant
+VARIANTS = ("staged", "regs", "tc", "max", "maxt")
+MAX_TOKENS = {"staged": 2, "regs": 2, "tc": 64, "max": 1 << 30, "maxt": 1 << 30}  # the GPU bound of each variant
 REL_TOL = 1e-2  # bf16 output
 
 
@@ -57,6 +60,9 @@ def projection_forward(variant: str, layers: int):
             w, b = wb[2 * i], wb[2 * i + 1]
             if variant == "max":  # what the model's Linear does today
                 outs.append(ops.matmul(x, ops.transpose(w, 0, 1)) + b)
+            elif variant == "maxt":
+                yt = ops.matmul(w, ops.transpose(x, 0, 1)) + ops.unsqueeze(b, 1)
+                outs.append(ops.transpose(yt, 0, 1))
             else:
                 outs.append(our_ops.gemv(x, w, b, staged=variant == "staged", tc=variant == "tc"))
         return outs

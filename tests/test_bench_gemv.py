@@ -17,10 +17,10 @@ def test_every_variant_projects_the_same(tmp_path) -> None:
     from max.graph import ops as gops
 
     bench = load_script("bench/gemv.py", "bench_gemv")
-    assert set(bench.VARIANTS) == {"staged", "regs", "tc", "max"}
+    assert set(bench.VARIANTS) == {"staged", "regs", "tc", "max", "maxt"}
     k, n, layers = 32, 8, 2  # K % 32 == 0: the tensor-core variant
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((1, k)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
     wb = []
     for _ in range(layers):
         wb += [rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal(n).astype(np.float32)]
