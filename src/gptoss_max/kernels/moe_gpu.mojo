@@ -989,8 +989,9 @@ def _combine_partials[
     """out[t, r] = sum over k (in order) of partial[t * top_k + k, r] for the
     routed k, over the tile's rows r in rbase .. rbase + tile_rows and all
     tokens. Addresses are clamped so every load is in bounds: a pair that is
-    not routed is loaded and dropped, so no load waits on another (a serial
-    ids -> partial chain per k made this a ~50 us tail at 64 tokens)."""
+    not routed is loaded and dropped, so no load waits on another (waiting
+    on one after another cost a 120b layer ~27 us at 64 tokens, bench/NOTES.md
+    v19)."""
     var n_out = tokens * tile_rows
     var base = 0
     while base < n_out:
