@@ -57,6 +57,9 @@ CASES = [
     Case("one_token_dropped", 1, 8, 4, 64, 64, routing="dropped"),
     Case("one_token_top2", 1, 4, 2, 64, 128),
     Case("one_token_top8", 1, 16, 8, 64, 64),
+    # the GPU's multi-token down with top_k above its 4-wide combine rounds (k 4, 5 added
+    # serially) over three 64-row tiles
+    Case("t20_top6", 20, 16, 6, 192, 64),
 ]
 
 
