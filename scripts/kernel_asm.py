@@ -77,9 +77,13 @@ def opcode_counts(sass: str) -> collections.Counter:
 _INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def loops(sass: str, needs: str = "HMMA") -> list[tuple[str, collections.Counter]]:
-    """Each backward branch's loop (label .. branch) whose body holds a `needs` opcode: the loop's
-    label and the opcode counts of its body (nested loops are reported whole, each)."""
+MMA_OPS = ("HMMA", "HGMMA")  # mma.sync, wgmma
+
+
+def loops(sass: str, needs: tuple[str, ...] = MMA_OPS) -> list[tuple[str, collections.Counter]]:
+    """Each backward branch's loop (label .. branch) whose body holds one of the `needs` opcodes
+    (by default a tensor-core op, mma.sync or wgmma): the loop's label and the opcode counts of its
+    body (nested loops are reported whole, each)."""
     body: list[str] = []  # one line per instruction, labels kept in place
     labels: dict[str, int] = {}
     for line in sass.splitlines():
@@ -93,7 +97,7 @@ def loops(sass: str, needs: str = "HMMA") -> list[tuple[str, collections.Counter
         m = re.search(r"BRA.*\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i + 1) <= i:
             counts = opcode_counts("\n".join(body[labels[m.group(1)] : i + 1]))
-            if counts.get(needs):
+            if any(counts.get(op) for op in needs):
                 found.append((m.group(1), counts))
     return found
 
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ptxas", help="ptxas binary: registers, spills and shared memory per kernel")
     ap.add_argument("--nvdisasm", help="nvdisasm binary (needs --ptxas): SASS and its opcode counts")
     ap.add_argument("--loops", action="store_true",
-                    help="with --nvdisasm: also the opcode counts of every loop holding an mma (HMMA)")  # fmt: skip
+                    help="with --nvdisasm: also the opcode counts of every mma loop (HMMA, HGMMA)")  # fmt: skip
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.loops:
                 for label, counts in loops(sass):
                     top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
-                    print(f"    loop {label}: {sum(counts.values())} instructions, HMMA {counts['HMMA']}: {top}")
+                    mmas = ", ".join(f"{op} {counts[op]}" for op in MMA_OPS if counts[op])
+                    print(f"    loop {label}: {sum(counts.values())} instructions, {mmas}: {top}")
     return 0
 
 

@@ -104,9 +104,14 @@ def test_loops_count_the_body_of_each_mma_loop(asm):
         /*0060*/               @P1 BRA `(.L_x_2) ;
         /*0070*/                   BRA `(.L_x_3) ;
 .L_x_3:
-        /*0080*/                   EXIT ;
+        /*0080*/                   HGMMA.64x128x16.F32.BF16 R24, R48, gdesc[UR4], R24, gsb0 ;
+        /*0090*/               @P2 BRA `(.L_x_3) ;
+        /*00a0*/                   EXIT ;
     """
-    (got,) = asm.loops(sass)  # .L_x_2 holds no mma; .L_x_3 is a forward branch
+    # .L_x_2 holds no mma; the first BRA to .L_x_3 is a forward branch, the second closes a wgmma loop
+    (got, wg) = asm.loops(sass)
     label, counts = got
     assert label == ".L_x_1"
     assert counts == {"LDG": 1, "HMMA": 1, "IMAD": 1, "BRA": 1}
+    assert wg == (".L_x_3", {"HGMMA": 1, "BRA": 1})
+    assert asm.loops(sass, needs=("HMMA",)) == [got]
