@@ -45,7 +45,10 @@ def main() raises:
         p2_small = -9
     print("choice_k96", prefill_choice(64, 4, 8, 96, 96, 2), p2_small)
     print("choice_auto", prefill_choice(512, 4, 8, 96, 96, 0), prefill_choice(8192, 4, 128, 2880, 2880, 0),
-          prefill_choice(512, 4, 128, 2880, 2880, 0), prefill_choice(16384, 4, 128, 2880, 2880, 0))
+          prefill_choice(512, 4, 128, 2880, 2880, 0), prefill_choice(16384, 4, 128, 2880, 2880, 0),
+          prefill_choice(3584, 4, 128, 2880, 2880, 0), prefill_choice(3840, 4, 128, 2880, 2880, 0),
+          prefill_choice(4608, 4, 128, 2880, 2880, 0), prefill_choice(5120, 4, 128, 2880, 2880, 0),
+          prefill_choice(5152, 4, 128, 2880, 2880, 0), prefill_choice(1024, 4, 32, 2880, 2880, 0))
     for i in range(64):
         print("slot", i, h_slot(i))
     var s: UInt64 = 7
@@ -120,8 +123,10 @@ def test_path_choice(lines) -> None:
     p1_k96, p2_k96 = map(int, _rows(lines, "choice_k96")[0])
     assert p1_k96 == 0 and p2_k96 == -9
     # auto: the measured p2 configs on gpt-oss shapes, p1 where K is not in 64-element stages
-    k96, mid, low, high = map(int, _rows(lines, "choice_auto")[0])
+    k96, mid, low, high, *band = map(int, _rows(lines, "choice_auto")[0])
     assert (k96, mid, low, high) == (4, 5, 7, 5)
+    # c9 (160-token tiles) for 120..160 pairs per expert: 112 -> c5, 120, 144, 160 -> c9, 161 -> c5
+    assert band == [5, 9, 9, 9, 5, 9]
 
 
 def test_bench_sweeps_every_config(lines) -> None:

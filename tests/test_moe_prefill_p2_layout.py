@@ -20,19 +20,24 @@ import pytest
 
 from gptoss_max import mxfp4
 
-BM, NT, NWG, K, ROWS_VALID = 128, 64, 2, 192, 61
+NWG, K = 2, 192
 THREADS, BN, NKB = 128 * NWG, 64 * NWG, K // 64
+# (BM, NT, NT2, ROWS_VALID): a partly filled 128-token tile (wgmma N = 64), and c9's
+# 160-token tile run as two wgmma parts of N = 128 and 32 over the same A fragment.
+CASES = {"n64": (128, 64, 0, 61), "n128+32": (160, 128, 32, 150)}
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
     P2_BK, P2_B_STRIDE, a_pair_sel, p2_acc_gate, p2_acc_up, p2_b_src, p2_group_scales, p2_nt_variant, p2_row0,
-    p2_row_mults, p2_s_row, p2_scale_window, p2_stage_bytes, p2_step_frag, p2_x_dst, p2_x_row, packed_unit,
-    wgmma_desc_sw128,
+    p2_part_desc, p2_row_mults, p2_s_row, p2_scale_window, p2_stage_bytes, p2_step_frag, p2_x_dst, p2_x_row,
+    packed_unit, wgmma_desc_sw128,
 )
 from std.memory import bitcast
 
 comptime BM = @BM@
 comptime NT = @NT@
+comptime NT2 = @NT2@
+comptime ROWS = NT + NT2
 comptime NWG = @NWG@
 comptime K = @K@
 comptime ROWS_VALID = @ROWS_VALID@
@@ -56,7 +61,7 @@ def main() raises:
     var s: UInt64 = 12345
     # token rows (bf16 bits, |x| in [2^-3, 2^0)), codes, scales (some > 128: the two-multiply path)
     var x = List[UInt16]()
-    for _ in range(NT * K):
+    for _ in range(ROWS * K):
         x.append(UInt16((lcg(s) & 0x807F) | 0x3E00 | ((lcg(s) & 3) << 7)))
     var codes = List[UInt8]()
     for _ in range(BN * K // 2):
@@ -69,7 +74,7 @@ def main() raises:
             v = 129 + lcg(s) % 4
         scales.append(UInt8(v))
     print("variant", p2_nt_variant(ROWS_VALID, BM))
-    for i in range(NT * K):
+    for i in range(ROWS * K):
         print("x", i, x[i])
     for i in range(BN * K // 2):
         print("c", i, codes[i])
@@ -82,7 +87,7 @@ def main() raises:
         # cp.async roles (the kernel's _p2_issue with row0 = 0, e = 0, n0 = 0, down-style rows)
         for tid in range(THREADS):
             for u in range(CPT):
-                if p2_x_row(tid, u, THREADS) < NT:
+                if p2_x_row(tid, u, THREADS) < ROWS:
                     var r = min(p2_x_row(tid, u, THREADS), ROWS_VALID - 1)
                     var src = r * K + (tid & 7) * 8 + kb * P2_BK
                     for j in range(8):
@@ -132,27 +137,32 @@ def main() raises:
                     print(line)
         for step in range(4):
             print("d", kb, step, wgmma_desc_sw128(st + 32 * step), st)
+            if NT2 > 0:  # the second part's descriptor, as _p2_loop builds it
+                print("d2", kb, step, p2_part_desc(wgmma_desc_sw128(st + 32 * step), NT))
     for tid in range(THREADS):
         print("row", tid, p2_row0(tid))
     for i in range(NT // 8):
         for b in range(2):
             print("acc", i, b, p2_acc_gate(i, b), p2_acc_up(i, b))
 """
-for _k, _v in dict(BM=BM, NT=NT, NWG=NWG, K=K, ROWS_VALID=ROWS_VALID).items():
-    PROGRAM = PROGRAM.replace(f"@{_k}@", str(_v))
 
 
-@pytest.fixture(scope="module")
-def probe(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=list(CASES))
+def probe(request, tmp_path_factory) -> dict:
+    """The program's output for one case, with the case under "case": (BM, NT, NT2, ROWS_VALID)."""
     from mojo.run import subprocess_run_mojo
 
     from gptoss_max.kernels import kernels_path
 
+    bm, nt, nt2, rows_valid = CASES[request.param]
+    program = PROGRAM
+    for k, v in dict(BM=bm, NT=nt, NT2=nt2, NWG=NWG, K=K, ROWS_VALID=rows_valid).items():
+        program = program.replace(f"@{k}@", str(v))
     src = tmp_path_factory.mktemp("p2") / "probe.mojo"
-    src.write_text(PROGRAM)
+    src.write_text(program)
     done = subprocess_run_mojo(["run", "-I", str(kernels_path().parent), str(src)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
-    out: dict = {}
+    out: dict = {"case": (bm, nt, nt2, rows_valid)}
     for ln in done.stdout.splitlines():
         parts = ln.split()
         if parts:
@@ -183,18 +193,23 @@ def _b_operand(smem: np.ndarray, desc: int, n: int, swizzle=_swizzle128) -> np.n
 
 
 def _replay(probe: dict, swizzle=_swizzle128) -> tuple[np.ndarray, np.ndarray]:
-    """(D as the epilogue reads it [rows, tokens], the reference W X^T)."""
-    x = _bf16([v for _, v in sorted(probe["x"])]).reshape(NT, K)
+    """(D as the epilogue reads it [rows, tokens], the reference W X^T). With a second part
+    (NT2 > 0) the same A fragments meet the B of its own descriptor, into accumulators that
+    the epilogue maps to tokens NT + 8i + 2q + b (_p2_store's t0)."""
+    _bm, nt, nt2, rows_valid = probe["case"]
+    n_tok = nt + nt2
+    x = _bf16([v for _, v in sorted(probe["x"])]).reshape(n_tok, K)
     codes = np.array([v for _, v in sorted(probe["c"])], dtype=np.uint8).reshape(1, BN, K // 32, 16)
     scales = np.array([v for _, v in sorted(probe["s"])], dtype=np.uint8).reshape(1, BN, K // 32)
     codes, scales = (a[0] for a in mxfp4.untile_from_op(codes, scales))  # the op's tiled byte order
     w = mxfp4.decode(codes, scales).astype(np.float64).reshape(BN, K)
-    src = np.minimum(np.arange(NT), ROWS_VALID - 1)
+    src = np.minimum(np.arange(n_tok), rows_valid - 1)
     ref = w @ x[src].T
 
     descs = {(kb, step): (d, st) for kb, step, d, st in probe["d"]}
+    descs2 = {(kb, step): d for kb, step, d in probe.get("d2", [])}
     frags = {(tid, kb, step): np.array(f) for tid, kb, step, *f in probe["f"]}
-    d = np.zeros((NWG, 64, NT))
+    d = np.zeros((NWG, 64, n_tok))
     for kb in range(NKB):
         smem = np.zeros(1024 + 4 * 1024 * 64, dtype=np.uint8)
         for m in probe["m"]:
@@ -202,7 +217,9 @@ def _replay(probe: dict, swizzle=_swizzle128) -> tuple[np.ndarray, np.ndarray]:
                 st = descs[(kb, 0)][1]
                 smem[st + m[1] : st + m[1] + 64] = m[2:]
         for step in range(4):
-            b = _b_operand(smem, descs[(kb, step)][0], NT, swizzle)
+            b = _b_operand(smem, descs[(kb, step)][0], nt, swizzle)
+            if nt2:
+                b = np.concatenate([b, _b_operand(smem, descs2[(kb, step)], nt2, swizzle)], axis=1)
             for wg in range(NWG):
                 a = np.zeros((64, 16))
                 for t in range(128):
@@ -216,23 +233,31 @@ def _replay(probe: dict, swizzle=_swizzle128) -> tuple[np.ndarray, np.ndarray]:
                 d[wg] += a @ b
     # accumulator registers (per warp the m16n8 C layout per 8 columns), then the epilogue map
     rows = dict(probe["row"])
-    got = np.full((BN, NT), np.nan)
+    got = np.full((BN, n_tok), np.nan)
     for tid in range(THREADS):
         wg, warp, g, q = tid >> 7, (tid >> 5) & 3, (tid & 31) >> 2, tid & 3
-        acc = np.zeros(NT // 2)
-        for i in range(NT // 8):
-            for j in range(2):
-                acc[4 * i + j] = d[wg, 16 * warp + g, 8 * i + 2 * q + j]
-                acc[4 * i + 2 + j] = d[wg, 16 * warp + g + 8, 8 * i + 2 * q + j]
-        for i, bb, gate, up in probe["acc"]:
-            tok = 8 * i + 2 * q + bb
-            got[rows[tid], tok] = acc[gate]
-            got[rows[tid] + 1, tok] = acc[up]
+        for t0, n in ((0, nt), (nt, nt2)):  # each part's registers, then the epilogue's map
+            if not n:
+                continue
+            acc = np.zeros(n // 2)
+            for i in range(n // 8):
+                for j in range(2):
+                    acc[4 * i + j] = d[wg, 16 * warp + g, t0 + 8 * i + 2 * q + j]
+                    acc[4 * i + 2 + j] = d[wg, 16 * warp + g + 8, t0 + 8 * i + 2 * q + j]
+            for i, bb, gate, up in probe["acc"]:
+                if 4 * i + 3 < n // 2:
+                    tok = t0 + 8 * i + 2 * q + bb
+                    got[rows[tid], tok] = acc[gate]
+                    got[rows[tid] + 1, tok] = acc[up]
     return got, ref
 
 
 def test_variant_for_the_tile(probe):
-    assert probe["variant"] == [[1]]  # 61 rows of a 128-row tile run wgmma N = 64
+    bm, nt, nt2, rows_valid = probe["case"]
+    if nt2 == 0:
+        assert probe["variant"] == [[1]]  # 61 rows of a 128-row tile run wgmma N = 64
+    else:  # the kernel picks the split from the tile's power-of-two base, 128
+        assert rows_valid > 128 and bm == nt + nt2
 
 
 def test_every_quad_owns_a_gate_up_row_pair_once(probe):
@@ -246,27 +271,30 @@ def test_every_quad_owns_a_gate_up_row_pair_once(probe):
 
 
 def test_token_tile_copies_cover_each_chunk_once(probe):
-    # every 16-byte chunk of the NT rows written exactly once: distinct swizzled offsets
+    # every 16-byte chunk of the tile's rows written exactly once: distinct swizzled offsets
+    bm, nt, nt2, _ = probe["case"]
     offs = set()
     for tid in range(THREADS):
-        for u in range(-(-BM * 8 // THREADS)):
+        for u in range(-(-bm * 8 // THREADS)):
             c = tid + u * THREADS
-            if c >> 3 < NT:
+            if c >> 3 < nt + nt2:
                 r, cc = c >> 3, c & 7
                 offs.add(r * 128 + ((cc ^ (r & 7)) << 4))
-    assert len(offs) == NT * 8
+    assert len(offs) == (nt + nt2) * 8
 
 
 def test_wgmma_replay_equals_the_reference(probe):
+    rows_valid = probe["case"][3]
     got, ref = _replay(probe)
-    valid = got[:, :ROWS_VALID]
+    valid = got[:, :rows_valid]
     assert not np.isnan(valid).any()
-    err = np.abs(valid - ref[:, :ROWS_VALID]).max() / np.abs(ref).max()
+    err = np.abs(valid - ref[:, :rows_valid]).max() / np.abs(ref).max()
     assert err < 1e-6, err
 
 
 def test_replay_notices_a_wrong_swizzle(probe):
     """The check can fail: reading B without the 128-byte swizzle breaks it."""
+    rows_valid = probe["case"][3]
     got, ref = _replay(probe, swizzle=lambda a: a)
-    err = np.abs(got[:, :ROWS_VALID] - ref[:, :ROWS_VALID]).max() / np.abs(ref).max()
+    err = np.abs(got[:, :rows_valid] - ref[:, :rows_valid]).max() / np.abs(ref).max()
     assert err > 1e-2

@@ -79,8 +79,10 @@ comptime PREFILL_MIN_PAIRS = 256
 # x BN weight rows per block, WARPS_M x WARPS_N warps, STAGES-deep cp.async
 # pipeline. c5.. (p2, wgmma; see "p2" below): BM = the block's token tile
 # (the wgmma N), BN = 64 weight rows per warpgroup (the wgmma M), 128 * BN / 64
-# threads, STAGES smem stages.
-comptime N_CONFIGS = 9
+# threads, STAGES smem stages. c9: BM = 160 tokens, run as wgmma N = 128 + 32
+# with the same A fragment (Mojo's wgmma_async takes power-of-two N only), so
+# an expert of 129..160 routed pairs is one tile, one decode of its weights.
+comptime N_CONFIGS = 10
 comptime P1_CONFIGS = 5
 
 
@@ -91,27 +93,32 @@ def cfg_wgmma(c: Int) -> Bool:
 
 @always_inline
 def cfg_bm(c: Int) -> Int:
-    return [128, 64, 128, 64, 32, 128, 256, 64, 128][c]
+    return [128, 64, 128, 64, 32, 128, 256, 64, 128, 160][c]
 
 
 @always_inline
 def cfg_bn(c: Int) -> Int:
-    return [128, 128, 64, 64, 128, 128, 128, 128, 192][c]
+    return [128, 128, 64, 64, 128, 128, 128, 128, 192, 128][c]
 
 
 @always_inline
 def cfg_warps_m(c: Int) -> Int:
-    return [2, 2, 4, 2, 1, 1, 1, 1, 1][c]
+    return [2, 2, 4, 2, 1, 1, 1, 1, 1, 1][c]
 
 
 @always_inline
 def cfg_warps_n(c: Int) -> Int:
-    return [4, 4, 2, 2, 4, 8, 8, 8, 12][c]
+    return [4, 4, 2, 2, 4, 8, 8, 8, 12, 8][c]
 
 
 @always_inline
 def cfg_stages(c: Int) -> Int:
-    return [3, 4, 4, 4, 4, 4, 4, 4, 4][c]
+    return [3, 4, 4, 4, 4, 4, 4, 4, 4, 4][c]
+
+
+# Mean routed pairs per expert for which auto_config takes c9 (measured band).
+comptime C9_MIN_PAIRS = 120
+comptime C9_MAX_PAIRS = 160
 
 
 def auto_config(pairs_per_expert: Int) -> Int:
@@ -121,8 +128,15 @@ def auto_config(pairs_per_expert: Int) -> Int:
     p2 128 x 128 (c5) from 32: since the tile-wide scale scan (2026-11-22) it
     beats 256 x 128 (c6) at every measured load, 120b T = 8192 / 16384 351 /
     368 against 308 / 347, 20b 385 / 398 against 361 / 382 TFLOP/s
-    (moe_prefill_h100_20261122_scales_sweep.json). c6 and the p1 configs
-    (c0..c4) stay selectable by path."""
+    (moe_prefill_h100_20261122_scales_sweep.json). c9 (160-token tiles) from
+    120 to 160 pairs per expert, where c5 gives about half the experts a
+    second, nearly empty tile: 120b T = 4096 / 4608 / 5120 (128 / 144 / 160
+    pairs) 332 / 336 / 321 against c5's 317 / 300 / 311 TFLOP/s, 20b T = 1024
+    / 1152 332 / 329 against 307 / 287; c5 is ahead at 112 and 176
+    (moe_prefill_h100_20261122_c9_band.json). c6 and the p1 configs (c0..c4)
+    stay selectable by path."""
+    if pairs_per_expert >= C9_MIN_PAIRS and pairs_per_expert <= C9_MAX_PAIRS:
+        return 9
     if pairs_per_expert >= 32:
         return 5
     return 7
@@ -545,7 +559,7 @@ comptime P2_BK = 64
 def cfg_min_blocks(c: Int) -> Int:
     """Blocks per SM a p2 config is built for (ptxas caps registers at
     65536 / (threads * this))."""
-    return [1, 1, 1, 1, 1, 2, 1, 2, 1][c]
+    return [1, 1, 1, 1, 1, 2, 1, 2, 1, 2][c]
 
 
 @always_inline
@@ -582,6 +596,15 @@ def wgmma_desc_sw128(addr: Int) -> Int64:
     128B (bits 62-63)."""
     var lo = ((UInt32(addr) & 0x3FFFF) >> 4) | (UInt32(1) << 16)  # 32-bit math: the high word is constant
     return Int64(lo) | (Int64(64) << 32) | (Int64(1) << 62)
+
+
+@always_inline
+def p2_part_desc(desc: Int64, t0: Int) -> Int64:
+    """The descriptor of a tile's token rows t0.. (t0 a multiple of 8) from
+    the one of row 0: t0 128-byte rows later, whole 1024-byte swizzle atoms,
+    so only the start-address field moves (by t0 * 128 >> 4; no carry, shared
+    addresses are below 2^18)."""
+    return desc + Int64(t0 * 128 // 16)
 
 
 @always_inline
@@ -653,6 +676,16 @@ def p2_frag[
         p[2] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[2]) * g0)
         p[3] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[3]) * g1)
     return bitcast[DType.bfloat16, 8](p)
+
+
+@always_inline
+def p2_base_n(bm: Int) -> Int:
+    """The largest power of two <= bm: a tile's main wgmma N; a BM above it
+    (c9's 160 = 128 + 32) runs the rest as a second wgmma part."""
+    var b = 1
+    while b * 2 <= bm:
+        b *= 2
+    return b
 
 
 @always_inline
@@ -818,10 +851,11 @@ def p2_row_mults[BIG: Bool](win: UInt32, j: Int) -> SIMD[DType.uint32, 2]:
 
 @always_inline
 def _p2_loop[
-    BM: Int, NT: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool
+    BM: Int, NT: Int, NT2: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool
 ](
     smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     mut acc: SIMD[DType.float32, NT // 2],
+    mut acc2: SIMD[DType.float32, p2_acc2_width(NT2)],
     a_src: Pointer[BFloat16, ImmutAnyOrigin],
     x_off: Array[Int, CPT],
     blocks: Pointer[UInt8, ImmutAnyOrigin],
@@ -836,7 +870,9 @@ def _p2_loop[
 ):
     """The tile's k loop: per 64-k stage, wait for its copies, issue the copies
     STAGES - 2 stages ahead, decode the A fragments of rows r0, r0 + 1 and run
-    four wgmma k16 steps (one group each, at most two in flight). BIG: the
+    four wgmma k16 steps (one group each, at most two in flight); with NT2 >
+    0 each step also multiplies the same A fragment by token rows NT..NT +
+    NT2 - 1 into acc2, in the same group. BIG: the
     warp's rows have a scale above 128 somewhere (two multiplies per pair).
     Rows r0 (even) and r0 + 1 share one aligned scale window: bytes 0, 1 are
     r0's blocks 0, 1 and bytes 2, 3 are r0 + 1's."""
@@ -850,7 +886,7 @@ def _p2_loop[
         barrier()
         var nxt = kb + STAGES - 2
         if nxt < nkb:
-            _p2_issue[BM, NT, BN, THREADS, CPT](
+            _p2_issue[BM, NT + NT2, BN, THREADS, CPT](
                 smem, a_src, x_off, blocks, b_off, scales, s_off, tid, nxt % STAGES, nxt
             )
         async_copy_commit_group()
@@ -873,6 +909,10 @@ def _p2_loop[
                     acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
                         frag, WGMMADescriptor[DType.bfloat16](desc), acc
                     )
+                    comptime if NT2 > 0:
+                        acc2 = wgmma_async[64, NT2, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
+                            frag, WGMMADescriptor[DType.bfloat16](p2_part_desc(desc, NT)), acc2
+                        )
                     wgmma_commit_group_sync()
                     wgmma_wait_group_sync[1]()
     wgmma_wait_group_sync[0]()
@@ -880,7 +920,7 @@ def _p2_loop[
 
 @always_inline
 def _p2_tile[
-    down: Bool, BM: Int, NT: Int, NWG: Int, STAGES: Int
+    down: Bool, BM: Int, NT: Int, NT2: Int, NWG: Int, STAGES: Int
 ](
     smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     h_out: Pointer[BFloat16, MutAnyOrigin],
@@ -899,7 +939,8 @@ def _p2_tile[
     rows_valid: Int,
     n0: Int,
 ):
-    """One block's tile with a wgmma N of NT tokens (rows_valid <= NT)."""
+    """One block's tile with a wgmma N of NT tokens, + NT2 more by a second
+    wgmma per step when NT2 > 0 (rows_valid <= NT + NT2)."""
     comptime BN = 64 * NWG
     comptime THREADS = 128 * NWG
     comptime STAGE = p2_stage_bytes(BM, BN)
@@ -926,7 +967,7 @@ def _p2_tile[
 
     comptime for s in range(STAGES - 2):
         if s < nkb:
-            _p2_issue[BM, NT, BN, THREADS, CPT](
+            _p2_issue[BM, NT + NT2, BN, THREADS, CPT](
                 smem, a_src, x_off, blocks, b_off, scales, s_off, tid, s, s
             )
         async_copy_commit_group()
@@ -938,6 +979,7 @@ def _p2_tile[
     var wg_active = n0 + 64 * (tid >> 7) < n_rows
     var sel = a_pair_sel(q)
     var acc = SIMD[DType.float32, NT // 2](0)
+    var acc2 = SIMD[DType.float32, p2_acc2_width(NT2)](0)
 
     # Scales above 128 take a second multiply (the one multiplier 2^(s-1) of
     # the common path would overflow bf16's exponent); whether any block of the warp's 16 rows has one is decided once
@@ -948,12 +990,12 @@ def _p2_tile[
     if wg_active:
         big = p2_group_has_big_scale(scales, e, n_rows, n0 + (r0 & ~15), k_dim)
     if big:
-        _p2_loop[BM, NT, NWG, STAGES, CPT, True](
-            smem, acc, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
+        _p2_loop[BM, NT, NT2, NWG, STAGES, CPT, True](
+            smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
         )
     else:
-        _p2_loop[BM, NT, NWG, STAGES, CPT, False](
-            smem, acc, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
+        _p2_loop[BM, NT, NT2, NWG, STAGES, CPT, False](
+            smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
         )
 
     # Epilogue: D^T element (M row g | g + 8, token 8i + 2q + b) =
@@ -964,21 +1006,54 @@ def _p2_tile[
     var b0 = bias[unsafe_offset=e * n_rows + n]
     var b1 = bias[unsafe_offset=e * n_rows + n + 1]
     var lim = rows_valid - 2 * q  # token 8i + 2q + b is valid iff 8i + b < lim
+    _p2_store[down, NT](acc, 0, lim, h_out, partial, sorted, wts, row0, q, n, n_rows, b0, b1)
+    comptime if NT2 > 0:
+        _p2_store[down, NT2](rebind[SIMD[DType.float32, NT2 // 2]](acc2), NT, lim, h_out, partial, sorted, wts, row0, q, n, n_rows, b0, b1)
+
+
+@always_inline
+def p2_acc2_width(nt2: Int) -> Int:
+    """Accumulators of a tile's second wgmma part (1 unused when there is none)."""
+    return nt2 // 2 if nt2 > 0 else 1
+
+
+@always_inline
+def _p2_store[
+    down: Bool, NP: Int
+](
+    acc: SIMD[DType.float32, NP // 2],
+    t0: Int,
+    lim: Int,
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    partial: Pointer[Float32, MutAnyOrigin],
+    sorted: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    row0: Int,
+    q: Int,
+    n: Int,
+    n_rows: Int,
+    b0: Float32,
+    b1: Float32,
+):
+    """Epilogue of one wgmma part of NP tokens starting at tile token t0:
+    D^T element (M row g | g + 8, token t0 + 8i + 2q + b) = acc[4i + b |
+    4i + 2 + b] -> weight rows n (gate / even), n + 1; tokens valid iff
+    t0 + 8i + b < lim."""
     comptime if down:
-        var sp = sorted.unsafe_offset(row0 + 2 * q)
-        comptime for i in range(NT // 8):
+        var sp = sorted.unsafe_offset(row0 + t0 + 2 * q)
+        comptime for i in range(NP // 8):
             comptime for b in range(2):
-                if 8 * i + b < lim:
+                if t0 + 8 * i + b < lim:
                     var p = Int(sp[unsafe_offset=8 * i + b])
                     var w = wts[unsafe_offset=p]
                     var y = SIMD[DType.float32, 2](acc[p2_acc_gate(i, b)] + b0, acc[p2_acc_up(i, b)] + b1)
                     partial.unsafe_store[alignment=8](p * n_rows + n, w * y)
     else:
         var inter = n_rows // 2
-        var hp = h_out.unsafe_offset((row0 + 2 * q) * inter + (n >> 1))
-        comptime for i in range(NT // 8):
+        var hp = h_out.unsafe_offset((row0 + t0 + 2 * q) * inter + (n >> 1))
+        comptime for i in range(NP // 8):
             comptime for b in range(2):
-                if 8 * i + b < lim:
+                if t0 + 8 * i + b < lim:
                     var v = gptoss_swiglu(acc[p2_acc_gate(i, b)] + b0, acc[p2_acc_up(i, b)] + b1)
                     hp[unsafe_offset=(8 * i + b) * inter] = v.cast[DType.bfloat16]()
 
@@ -1024,11 +1099,20 @@ def p2_gemm_kernel[
     var n0 = Int(tile[2]) * BN
     var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]()
     var smem = raw.unsafe_offset((1024 - (Int(raw) & 1023)) & 1023)
-    var v = p2_nt_variant(rows_valid, BM)
+    comptime BASE = p2_base_n(BM)
+    comptime EXTRA = BM - BASE
+    comptime assert EXTRA == 0 or (p2_base_n(EXTRA) == EXTRA and EXTRA >= 8), "BM = a power of two (+ a smaller one)"
+    var v = p2_nt_variant(rows_valid, BASE)
     comptime for vi in range(3):
-        comptime NT = BM >> (2 - vi)
-        if v == vi:
-            _p2_tile[down, BM, NT, NWG, STAGES](
+        comptime NT = BASE >> (2 - vi)
+        if v == vi and (EXTRA == 0 or rows_valid <= BASE):
+            _p2_tile[down, BM, NT, 0, NWG, STAGES](
+                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0,
+                rows_valid, n0,
+            )
+    comptime if EXTRA > 0:
+        if rows_valid > BASE:
+            _p2_tile[down, BM, BASE, EXTRA, NWG, STAGES](
                 smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0,
                 rows_valid, n0,
             )
