@@ -1008,7 +1008,8 @@ def _p2_tile[
     var lim = rows_valid - 2 * q  # token 8i + 2q + b is valid iff 8i + b < lim
     _p2_store[down, NT](acc, 0, lim, h_out, partial, sorted, wts, row0, q, n, n_rows, b0, b1)
     comptime if NT2 > 0:
-        _p2_store[down, NT2](rebind[SIMD[DType.float32, NT2 // 2]](acc2), NT, lim, h_out, partial, sorted, wts, row0, q, n, n_rows, b0, b1)
+        var acc2_part = rebind[SIMD[DType.float32, NT2 // 2]](acc2)
+        _p2_store[down, NT2](acc2_part, NT, lim, h_out, partial, sorted, wts, row0, q, n, n_rows, b0, b1)
 
 
 @always_inline
@@ -1101,7 +1102,7 @@ def p2_gemm_kernel[
     var smem = raw.unsafe_offset((1024 - (Int(raw) & 1023)) & 1023)
     comptime BASE = p2_base_n(BM)
     comptime EXTRA = BM - BASE
-    comptime assert EXTRA == 0 or (p2_base_n(EXTRA) == EXTRA and EXTRA >= 8), "BM = a power of two (+ a smaller one)"
+    comptime assert EXTRA == 0 or (p2_base_n(EXTRA) == EXTRA and EXTRA >= 8), "BM: a power of two (+ a smaller one)"
     var v = p2_nt_variant(rows_valid, BASE)
     comptime for vi in range(3):
         comptime NT = BASE >> (2 - vi)
