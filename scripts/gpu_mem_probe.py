@@ -30,17 +30,14 @@ GPU. Prints a table and writes <out>/mem_probe_<gpu>_<yyyymmdd>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
-
-from gptoss_max.e2e import device_slug  # noqa: E402
+from probe_common import graph_us_per_launch, write_result  # noqa: E402
 
 HIDDEN = INTER = 2880
 GATE_UP_BYTES = 2 * INTER * HIDDEN // 2  # one expert's gate_up blocks
@@ -192,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_tb_s = copy_bandwidth(torch)
     torch.cuda.empty_cache()
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
 
     mods: dict = {}
 
@@ -203,30 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             mods[key] = cp.RawModule(code=SOURCE, options=opts).get_function(fn)
         return mods[key]
 
-    stream = cp.cuda.Stream(non_blocking=True)
-
     def time_chain(launch, n_off) -> float:
-        """Median us per launch over reps replays of a CUDA graph of `chain` launches (host
-        launch costs out, the GPU's gaps between dependent kernels in, as in a captured step)."""
+        """Median us per launch of a replayed graph of `chain` launches, each on its own offsets."""
         offs = n_off()
-        with stream:
-            for i in range(3):
-                launch(offs[i])
-            stream.synchronize()
-            stream.begin_capture()
-            for i in range(args.chain):
-                launch(offs[i])
-            graph = stream.end_capture()
-            graph.launch(stream)
-            stream.synchronize()
-            per = []
-            for _ in range(args.reps):
-                ev0.record(stream)
-                graph.launch(stream)
-                ev1.record(stream)
-                ev1.synchronize()
-                per.append(cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / args.chain)
-        return statistics.median(per)
+        return graph_us_per_launch(cp, lambda i: launch(offs[i]), 3, args.chain, args.reps)
 
     rows = []
 
@@ -270,19 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             add(label, region, us)
 
-    tag = device_slug(name)
-    today = datetime.date.today()
-    result = {
-        "device": name,
-        "date": today.isoformat(),
-        "command": "python3 scripts/gpu_mem_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "copy_tb_s": round(copy_tb_s, 3),
-        "chain": args.chain,
-        "rows": rows,
-    }
-    path = Path(args.out) / f"mem_probe_{tag}_{today.strftime('%Y%m%d')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    fields = {"copy_tb_s": round(copy_tb_s, 3), "chain": args.chain, "rows": rows}
+    path = write_result(args.out, "mem_probe", name, "gpu_mem_probe.py", argv, fields)
     print(f"copy {copy_tb_s:.2f} TB/s; wrote {path}")
     return 0
 

@@ -29,17 +29,14 @@ GPU of sm_90 or later. Prints a table and writes <out>/l2_prefetch_probe_<gpu>_<
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
-
-from gptoss_max.e2e import device_slug  # noqa: E402
+from probe_common import graph_us_per_launch, write_result  # noqa: E402
 
 ROWS, COLS = 2880, 4096  # o_proj of gpt-oss: hidden x (64 heads x 64)
 WEIGHT_BYTES = ROWS * COLS * 2
@@ -194,9 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gemv wrong: rel err {err:.2e}", file=sys.stderr)
         return 1
 
-    stream = cp.cuda.Stream(non_blocking=True)
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-
     def launch(i: int, blocks: int, steps: int, frac: float, pf_blocks: int, piece: int, with_gemv: bool) -> None:
         w = weights[0 if piece < 0 else i % args.copies]  # piece < 0: the same copy every launch
         piece = abs(piece) if piece != -1 else 0
@@ -211,24 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             k_gemv(gemv_grid, (GEMV_WARPS * 32,), (w, x, y))
 
     def time_variant(v) -> float:
-        with stream:
-            for i in range(args.copies):
-                launch(i, *v)
-            stream.synchronize()
-            stream.begin_capture()
-            for i in range(args.chain):
-                launch(i, *v)
-            graph = stream.end_capture()
-            graph.launch(stream)
-            stream.synchronize()
-            per = []
-            for _ in range(args.reps):
-                ev0.record(stream)
-                graph.launch(stream)
-                ev1.record(stream)
-                ev1.synchronize()
-                per.append(cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / args.chain)
-        return statistics.median(per)
+        return graph_us_per_launch(cp, lambda i: launch(i, *v), args.copies, args.chain, args.reps)
 
     rows = []
     print(f"{'variant':56s} {'us/iter':>8s}")
@@ -238,23 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                      "prefetch_blocks": v[3], "piece_bytes": v[4], "gemv": v[5], "us": round(us, 2)})  # fmt: skip
         print(f"{label:56s} {us:8.2f}", flush=True)
 
-    tag = device_slug(name)
-    today = datetime.date.today()
-    result = {
-        "device": name,
-        "date": today.isoformat(),
-        "command": "python3 scripts/l2_prefetch_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "copy_tb_s": round(copy_tb_s, 3),
-        "weight_bytes": WEIGHT_BYTES,
-        "weight_roofline_us": round(WEIGHT_BYTES / (copy_tb_s * 1e12) * 1e6, 2),
-        "gemv_rel_err": err,
-        "chain": args.chain,
-        "rows": rows,
-    }
-    path = Path(args.out) / f"l2_prefetch_probe_{tag}_{today.strftime('%Y%m%d')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"copy {copy_tb_s:.2f} TB/s, weight roofline {result['weight_roofline_us']} us; wrote {path}")
+    roof = round(WEIGHT_BYTES / (copy_tb_s * 1e12) * 1e6, 2)
+    fields = {"copy_tb_s": round(copy_tb_s, 3), "weight_bytes": WEIGHT_BYTES, "weight_roofline_us": roof,
+              "gemv_rel_err": err, "chain": args.chain, "rows": rows}  # fmt: skip
+    path = write_result(args.out, "l2_prefetch_probe", name, "l2_prefetch_probe.py", argv, fields)
+    print(f"copy {copy_tb_s:.2f} TB/s, weight roofline {roof} us; wrote {path}")
     return 0
 
 

@@ -21,7 +21,6 @@ Needs nvcc, torch (the copy bandwidth, as bench/moe.py measures it) and an sm_90
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -30,10 +29,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "bench"))
+sys.path.insert(0, str(HERE))
 
 from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
-
-from gptoss_max.e2e import device_slug  # noqa: E402
+from probe_common import write_result  # noqa: E402
 
 WEIGHT_BYTES = 2880 * 4096 * 2
 MAX_REL_ERR = 1e-2  # bf16 output against an f32 GEMV of the same operands
@@ -75,21 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             err = f"{row['rel_err']:.1e}" if row["rel_err"] >= 0 else ""
             print(f"{row['variant']:48s} {row['us']:8.2f} {row['us_p10']:7.2f} {row['us_p90']:7.2f} {err:>9s}")
     worst = max(res["worst_rel_err"] for res in runs)
-    tag = device_slug(name)
-    today = datetime.date.today()
-    result = {
-        "device": name,
-        "date": today.isoformat(),
-        "command": "python3 scripts/pdl_preload_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "copy_tb_s": round(copy_tb_s, 3),
-        "weight_bytes": WEIGHT_BYTES,
-        "weight_roofline_us": round(WEIGHT_BYTES / (copy_tb_s * 1e12) * 1e6, 2),
-        "runs": runs,
-    }
-    path = Path(args.out) / f"pdl_preload_probe_{tag}_{today.strftime('%Y%m%d')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"copy {copy_tb_s:.2f} TB/s, weight roofline {result['weight_roofline_us']} us; wrote {path}")
+    roof = round(WEIGHT_BYTES / (copy_tb_s * 1e12) * 1e6, 2)
+    fields = {"copy_tb_s": round(copy_tb_s, 3), "weight_bytes": WEIGHT_BYTES, "weight_roofline_us": roof, "runs": runs}
+    path = write_result(args.out, "pdl_preload_probe", name, "pdl_preload_probe.py", argv, fields)
+    print(f"copy {copy_tb_s:.2f} TB/s, weight roofline {roof} us; wrote {path}")
     if not worst <= MAX_REL_ERR:
         print(f"WRONG: rel err {worst:.2e} > {MAX_REL_ERR}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """CPU checks of the two probes behind bench/NOTES.md's "Loading the next weight during a
-latency-bound kernel" (scripts/l2_prefetch_probe.py, scripts/pdl_preload_probe.py + .cu). Their
-GPU parts need CuPy / nvcc and a GPU; the results are committed under bench/results/."""
+latency-bound kernel" (scripts/l2_prefetch_probe.py, scripts/pdl_preload_probe.py + .cu) and of
+scripts/probe_common.py, which they share with gpu_mem_probe.py. Their GPU parts need CuPy / nvcc
+and a GPU; the results are committed under bench/results/."""
 
 import importlib.util
 import re
@@ -56,3 +57,77 @@ def test_pdl_probe_builds_for_sm90a(monkeypatch, tmp_path):
     exe = p.build(tmp_path, "nvcc")
     assert seen and "-arch=sm_90a" in seen[0] and str(SCRIPTS / "pdl_preload_probe.cu") in seen[0]
     assert exe.parent == tmp_path
+
+
+class _FakeCupy:
+    """Enough of CuPy's stream / event / graph API to run graph_us_per_launch on the CPU: each
+    replay of the captured graph 'takes' 2 ms per captured launch."""
+
+    def __init__(self):
+        self.calls, self.capturing, self.captured = [], False, 0
+        fake = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def synchronize(self):
+                pass
+
+            def begin_capture(self):
+                fake.capturing = True
+
+            def end_capture(self):
+                fake.capturing = False
+
+                class Graph:
+                    def launch(self, stream):
+                        fake.calls.append("replay")
+
+                return Graph()
+
+        class Event:
+            def record(self, stream):
+                pass
+
+            def synchronize(self):
+                pass
+
+        class Cuda:
+            pass
+
+        Cuda.Stream, Cuda.Event = Stream, Event
+        Cuda.get_elapsed_time = staticmethod(lambda a, b: 2.0 * fake.captured)
+        self.cuda = Cuda
+
+    def launch(self, i):
+        self.calls.append(("capture" if self.capturing else "warm", i))
+        if self.capturing:
+            self.captured += 1
+
+
+def test_graph_timing_warms_captures_and_divides_by_the_chain():
+    pc = _load("probe_common")
+    cp = _FakeCupy()
+    us = pc.graph_us_per_launch(cp, cp.launch, warm=3, chain=5, reps=4)
+    assert [c for c in cp.calls if c[0] == "warm"] == [("warm", i) for i in range(3)]
+    assert [c for c in cp.calls if c[0] == "capture"] == [("capture", i) for i in range(5)]
+    assert cp.calls.count("replay") == 1 + 4  # one untimed replay, then the timed ones
+    assert us == 2.0 * 5 * 1e3 / 5  # ms per replay -> us per launch
+
+
+def test_write_result_names_the_file_and_leads_with_device_date_command(tmp_path):
+    import json
+
+    pc = _load("probe_common")
+    path = pc.write_result(str(tmp_path), "x_probe", "NVIDIA H100 80GB HBM3", "x.py", ["--reps", "3"], {"rows": [1]})
+    assert path.parent == tmp_path and path.name.startswith("x_probe_h100_") and path.suffix == ".json"
+    d = json.loads(path.read_text())
+    assert list(d)[:3] == ["device", "date", "command"] and d["command"] == "python3 scripts/x.py --reps 3"
+    assert d["rows"] == [1]
