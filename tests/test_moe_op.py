@@ -60,6 +60,9 @@ CASES = [
     # the GPU's multi-token down with top_k above its 4-wide combine rounds (k 4, 5 added
     # serially) over three 64-row tiles
     Case("t20_top6", 20, 16, 6, 192, 64),
+    # 144 routed pairs per expert: the GPU prefill's 160-token tiles (c9, wgmma N = 128 + 32),
+    # and for experts past 160 pairs a second, smaller tile
+    Case("t288_c9", 288, 8, 4, 128, 128),
 ]
 
 

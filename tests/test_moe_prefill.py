@@ -49,6 +49,8 @@ def main() raises:
           prefill_choice(3584, 4, 128, 2880, 2880, 0), prefill_choice(3840, 4, 128, 2880, 2880, 0),
           prefill_choice(4608, 4, 128, 2880, 2880, 0), prefill_choice(5120, 4, 128, 2880, 2880, 0),
           prefill_choice(5152, 4, 128, 2880, 2880, 0), prefill_choice(1024, 4, 32, 2880, 2880, 0))
+    # test_moe_op.py's t288_c9 case (288 tokens, top-4 of 8 experts, H = I = 128) takes c9 on a GPU
+    print("choice_t288", prefill_choice(288, 4, 8, 128, 128, 0))
     for i in range(64):
         print("slot", i, h_slot(i))
     var s: UInt64 = 7
@@ -127,6 +129,7 @@ def test_path_choice(lines) -> None:
     assert (k96, mid, low, high) == (4, 5, 7, 5)
     # c9 (160-token tiles) for 120..160 pairs per expert: 112 -> c5, 120, 144, 160 -> c9, 161 -> c5
     assert band == [5, 9, 9, 9, 5, 9]
+    assert _rows(lines, "choice_t288") == [["9"]]
 
 
 def test_bench_sweeps_every_config(lines) -> None:
