@@ -16,7 +16,7 @@ keeps what the others measured):
                float32, the only form that compiles (MAX's naive grouped
                kernel); also its dequant alone (a lower bound on any stock
                step: `stock_dequant_ms`);
-  ours         correctness of every tile config (c0..c4 p1 mma.sync, c5..c9
+  ours         correctness of every tile config (c0..c4 p1 mma.sync, c5..c10
                p2 wgmma; and auto) against a float64
                torch reference (rel err <= 5e-3, fresh inputs), then the time
                per layer: slope of CUDA-event time of a graph of 1 vs 1 + chain
@@ -47,7 +47,7 @@ import moe as dec  # noqa: E402  (bench/moe.py: sets, routing, float64 reference
 
 HIDDEN, INTER, TOP_K, MODELS = dec.HIDDEN, dec.INTER, dec.TOP_K, dec.MODELS
 REL_TOL = 5e-3
-N_CONFIGS = 10  # moe_prefill_gpu.mojo's N_CONFIGS: c0..c4 p1 (mma.sync), c5..c9 p2 (wgmma)
+N_CONFIGS = 11  # moe_prefill_gpu.mojo's N_CONFIGS: c0..c4 p1 (mma.sync), c5..c10 p2 (wgmma)
 PATH_AUTO, PATH_DECODE = 0, 1
 
 

@@ -63,6 +63,9 @@ CASES = [
     # 144 routed pairs per expert: the GPU prefill's 160-token tiles (c9, wgmma N = 128 + 32),
     # and for experts past 160 pairs a second, smaller tile
     Case("t288_c9", 288, 8, 4, 128, 128),
+    # 128 pairs per expert over 64 experts: c10 (128-token tiles, and each expert's last <= 32
+    # pairs absorbed into a two-part tile by a second launch)
+    Case("t2048_c10", 2048, 64, 4, 64, 64),
 ]
 
 

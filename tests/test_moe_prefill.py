@@ -16,8 +16,8 @@ from gptoss_max import mxfp4
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
-    N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS, decode_word, find_tile, h_slot, permute_x,
-    prefill_choice,
+    ABSORB, N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS, decode_word, expert_tiles, find_tile, h_slot,
+    permute_x, prefill_choice,
 )
 from std.memory import bitcast
 
@@ -51,6 +51,8 @@ def main() raises:
           prefill_choice(5152, 4, 128, 2880, 2880, 0), prefill_choice(1024, 4, 32, 2880, 2880, 0))
     # test_moe_op.py's t288_c9 case (288 tokens, top-4 of 8 experts, H = I = 128) takes c9 on a GPU
     print("choice_t288", prefill_choice(288, 4, 8, 128, 128, 0))
+    # and its t2048_c10 case (2048 tokens, top-4 of 64 experts, H = I = 64) takes c10
+    print("choice_t2048", prefill_choice(2048, 4, 64, 64, 64, 0))
     for i in range(64):
         print("slot", i, h_slot(i))
     var s: UInt64 = 7
@@ -84,6 +86,12 @@ def main() raises:
     for b in range(acc * nt + 5):
         var r = find_tile(Pointer(to=ts[0]), n_experts, nt, b)
         print("tile", b, r[0], r[1], r[2], r[3])
+    # c10's tiling: (regular 128-row tiles, absorbed tile or not) per count, absorbing <= ABSORB
+    print("absorb", ABSORB)
+    for c in [0, 1, 128, 129, 160, 161, 256, 257, 288, 289, 300, 512, 544, 545]:
+        var et = expert_tiles(c, 128, ABSORB)
+        var plain = expert_tiles(c, 128, 0)
+        print("etiles", c, et[0], et[1], plain[0], plain[1])
 """
 
 
@@ -126,10 +134,32 @@ def test_path_choice(lines) -> None:
     assert p1_k96 == 0 and p2_k96 == -9
     # auto: the measured p2 configs on gpt-oss shapes, p1 where K is not in 64-element stages
     k96, mid, low, high, *band = map(int, _rows(lines, "choice_auto")[0])
-    assert (k96, mid, low, high) == (4, 5, 7, 5)
-    # c9 (160-token tiles) for 120..160 pairs per expert: 112 -> c5, 120, 144, 160 -> c9, 161 -> c5
-    assert band == [5, 9, 9, 9, 5, 9]
+    # 120b T = 8192 / 16384 (256 / 512 pairs per expert): c10; T = 512 (16): c7
+    assert (k96, mid, low, high) == (4, 10, 7, 10)
+    # 120b (128 experts) 112 -> c5, 120, 144, 160 -> c10, 161 -> c10; 20b (32 experts) at 128 -> c9
+    assert band == [5, 10, 10, 10, 10, 9]
     assert _rows(lines, "choice_t288") == [["9"]]
+    assert _rows(lines, "choice_t2048") == [["10"]]
+
+
+def test_absorbed_tiles_cover_every_pair_once(lines) -> None:
+    """c10's route: 128-row tiles, except that a last tile of <= ABSORB pairs joins the full
+    tile before it as one tile of 129 .. 128 + ABSORB rows (the two-part kind); absorb 0 keeps
+    ceil(count / 128)."""
+    absorb = int(_rows(lines, "absorb")[0][0])
+    assert absorb == 32
+    for c, reg, has_abs, plain, plain_abs in (map(int, r) for r in _rows(lines, "etiles")):
+        assert plain == -(-c // 128) and plain_abs == 0
+        if has_abs:  # full regular tiles, then the absorbed one
+            rows = [128] * reg + [c - 128 * reg]
+            assert 128 < rows[-1] <= 128 + absorb, (c, rows)
+        else:  # full tiles and a last, possibly partial one
+            rows = [128] * (reg - 1) + [c - 128 * (reg - 1)] if reg else []
+            assert all(0 < r <= 128 for r in rows), (c, rows)
+        assert sum(rows) == c
+        # absorbed exactly when there are >= 2 tiles of 128 and the last holds <= absorb pairs
+        last = c - 128 * (plain - 1) if plain else 0
+        assert has_abs == (plain >= 2 and last <= absorb), (c, reg, has_abs)
 
 
 def test_bench_sweeps_every_config(lines) -> None:

@@ -82,7 +82,11 @@ comptime PREFILL_MIN_PAIRS = 256
 # threads, STAGES smem stages. c9: BM = 160 tokens, run as wgmma N = 128 + 32
 # with the same A fragment (Mojo's wgmma_async takes power-of-two N only), so
 # an expert of 129..160 routed pairs is one tile, one decode of its weights.
-comptime N_CONFIGS = 10
+# c10: c5's 128-token tiles, except that an expert's last <= ABSORB pairs join
+# its last full tile as one 129..160-row tile of c9's two-part kind, run by a
+# second launch (p2_absorbed_kernel) over the list of such experts.
+comptime N_CONFIGS = 11
+comptime ABSORB = 32
 comptime P1_CONFIGS = 5
 
 
@@ -93,35 +97,55 @@ def cfg_wgmma(c: Int) -> Bool:
 
 @always_inline
 def cfg_bm(c: Int) -> Int:
-    return [128, 64, 128, 64, 32, 128, 256, 64, 128, 160][c]
+    return [128, 64, 128, 64, 32, 128, 256, 64, 128, 160, 128][c]
 
 
 @always_inline
 def cfg_bn(c: Int) -> Int:
-    return [128, 128, 64, 64, 128, 128, 128, 128, 192, 128][c]
+    return [128, 128, 64, 64, 128, 128, 128, 128, 192, 128, 128][c]
 
 
 @always_inline
 def cfg_warps_m(c: Int) -> Int:
-    return [2, 2, 4, 2, 1, 1, 1, 1, 1, 1][c]
+    return [2, 2, 4, 2, 1, 1, 1, 1, 1, 1, 1][c]
 
 
 @always_inline
 def cfg_warps_n(c: Int) -> Int:
-    return [4, 4, 2, 2, 4, 8, 8, 8, 12, 8][c]
+    return [4, 4, 2, 2, 4, 8, 8, 8, 12, 8, 8][c]
+
+
+@always_inline
+def cfg_absorb(c: Int) -> Int:
+    """Pairs an expert's last tile may absorb into a two-part tile (c10), else 0."""
+    return ABSORB if c == 10 else 0
+
+
+@always_inline
+def expert_tiles(count: Int, bm: Int, absorb: Int) -> SIMD[DType.int32, 2]:
+    """(regular tiles, 1 if the expert also has an absorbed tile) for `count`
+    routed pairs: ceil(count / bm) tiles, except that when there are at least
+    two and the last holds <= absorb pairs, the last two become one absorbed
+    tile of bm + that many rows (its rows start at bm * regular tiles)."""
+    var m = (count + bm - 1) // bm
+    if absorb > 0 and m >= 2 and count - bm * (m - 1) <= absorb:
+        return SIMD[DType.int32, 2](Int32(m - 2), 1)
+    return SIMD[DType.int32, 2](Int32(m), 0)
 
 
 @always_inline
 def cfg_stages(c: Int) -> Int:
-    return [3, 4, 4, 4, 4, 4, 4, 4, 4, 4][c]
+    return [3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4][c]
 
 
-# Mean routed pairs per expert for which auto_config takes c9 (measured band).
+# Mean routed pairs per expert for which auto_config takes c9 or c10 (measured band),
+# above which it takes c10, and the expert count from which c10 beats c9 in the band.
 comptime C9_MIN_PAIRS = 120
 comptime C9_MAX_PAIRS = 160
+comptime C10_MIN_EXPERTS = 64
 
 
-def auto_config(pairs_per_expert: Int) -> Int:
+def auto_config(pairs_per_expert: Int, n_experts: Int) -> Int:
     """Tile configuration for a mean load of routed pairs per expert: the
     H100 sweeps' best. p2 64-token tiles (c7) below 32 pairs per expert (120b
     T = 512: 76 TFLOP/s, bench/results/moe_prefill_h100_20261121_p2.json);
@@ -133,17 +157,28 @@ def auto_config(pairs_per_expert: Int) -> Int:
     second, nearly empty tile: 120b T = 4096 / 4608 / 5120 (128 / 144 / 160
     pairs) 332 / 336 / 321 against c5's 317 / 300 / 311 TFLOP/s, 20b T = 1024
     / 1152 332 / 329 against 307 / 287; c5 is ahead at 112 and 176
-    (moe_prefill_h100_20261122_c9_band.json). c6 and the p1 configs (c0..c4)
-    stay selectable by path."""
+    (moe_prefill_h100_20261122_c9_band.json). c10 (c5's tiles with the last <= 32
+    pairs absorbed into a two-part tile, a second launch) in that band when
+    there are many experts, and above it: 120b T = 4096 / 4608 / 8192 / 8704 /
+    16384 357.5 / 366.2 / 370.7 / 368.2 / 385.5 TFLOP/s against c5's 326.3 /
+    296.6 / 362.0 / 352.3 / 381.3 and c9's 347.2 / 335.5 (same run), 20b T =
+    2048 / 4096 / 8192 356.8 / 395.0 / 402.6 against 354.8 / 390.0 / 389.6;
+    at 20b T = 1024 (128 pairs, 32 experts: each launch holds half as many
+    blocks) c9 330.7, c5 313.1, c10 304.1 (moe_prefill_h100_20261122_c10.json).
+    c6 and the p1 configs (c0..c4) stay selectable by path."""
     if pairs_per_expert >= C9_MIN_PAIRS and pairs_per_expert <= C9_MAX_PAIRS:
-        return 9
+        return 10 if n_experts >= C10_MIN_EXPERTS else 9
+    if pairs_per_expert > C9_MAX_PAIRS:
+        return 10
     if pairs_per_expert >= 32:
         return 5
     return 7
 
 
 def meta_words(n_pairs: Int, n_experts: Int) -> Int:
-    return 2 * n_experts + 2 + n_pairs
+    """offsets [E + 1], tile starts [E + 1], sorted pair ids [P], absorbed
+    experts: a count and up to E ids (c10)."""
+    return 3 * n_experts + 3 + n_pairs
 
 
 def prefill_feasible(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: Int) -> Bool:
@@ -180,7 +215,7 @@ def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: 
     var n_pairs = tokens * top_k
     if not ok or n_pairs < PREFILL_MIN_PAIRS_PER_EXPERT * n_experts or n_pairs < PREFILL_MIN_PAIRS:
         return -1
-    var c = auto_config(tokens * top_k // n_experts)
+    var c = auto_config(tokens * top_k // n_experts, n_experts)
     if cfg_wgmma(c) and not p2_feasible(hidden, inter):
         # K not in whole 64-element stages: p1's best at that load
         return 0 if tokens * top_k // n_experts >= 512 else 4
@@ -273,6 +308,7 @@ def route_kernel(
     n_pairs_: Int64,
     n_experts_: Int64,
     bm_: Int64,
+    absorb_: Int64,
 ):
     """One block: meta (layout above) from topk ids [P]. Ids outside [0, E)
     are left out. Order inside an expert is arrival order (any order gives
@@ -282,6 +318,7 @@ def route_kernel(
     var n_pairs = Int(n_pairs_)
     var n_experts = Int(n_experts_)
     var bm = Int(bm_)
+    var absorb = Int(absorb_)
     var cnt = stack_allocation[PREFILL_MAX_EXPERTS, Int32, address_space=AddressSpace.SHARED]()
     var cur = stack_allocation[PREFILL_MAX_EXPERTS, Int32, address_space=AddressSpace.SHARED]()
     var tid = Int(thread_idx.x)
@@ -298,15 +335,22 @@ def route_kernel(
     if tid == 0:
         var o = 0
         var t = 0
+        var n_abs = 0
+        var abs_list = meta.unsafe_offset(2 * n_experts + 2 + n_pairs)
         for e in range(n_experts):
             var c = Int(cnt[unsafe_offset=e])
             meta[unsafe_offset=e] = Int32(o)
             meta[unsafe_offset=n_experts + 1 + e] = Int32(t)
             cur[unsafe_offset=e] = Int32(o)
             o += c
-            t += (c + bm - 1) // bm
+            var et = expert_tiles(c, bm, absorb)
+            t += Int(et[0])
+            if et[1] != 0:
+                abs_list[unsafe_offset=1 + n_abs] = Int32(e)
+                n_abs += 1
         meta[unsafe_offset=n_experts] = Int32(o)
         meta[unsafe_offset=2 * n_experts + 1] = Int32(t)
+        abs_list[unsafe_offset=0] = Int32(n_abs)
     barrier()
     var sorted = meta.unsafe_offset(2 * n_experts + 2)
     for p0 in range(tid, n_pairs, ROUTE_THREADS * ROUTE_BATCH):
@@ -559,7 +603,7 @@ comptime P2_BK = 64
 def cfg_min_blocks(c: Int) -> Int:
     """Blocks per SM a p2 config is built for (ptxas caps registers at
     65536 / (threads * this))."""
-    return [1, 1, 1, 1, 1, 2, 1, 2, 1, 2][c]
+    return [1, 1, 1, 1, 1, 2, 1, 2, 1, 2, 2][c]
 
 
 @always_inline
@@ -1119,6 +1163,62 @@ def p2_gemm_kernel[
             )
 
 
+@__llvm_metadata(
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(128 * NWG)),
+    `nvvm.minctasm`=SIMDLength(MIN_BLOCKS),
+)
+def p2_absorbed_kernel[
+    down: Bool, NWG: Int, STAGES: Int, MIN_BLOCKS: Int
+](
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    partial: Pointer[Float32, MutAnyOrigin],
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    meta: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k_: Int64,
+    n_experts_: Int64,
+    n_pairs_: Int64,
+    n_rows_: Int64,
+    k_dim_: Int64,
+):
+    """c10's second launch: the absorbed tiles (the route's list, meta after
+    the sorted ids), one per listed expert and n tile: 128 + up to ABSORB
+    rows from 128 * (its regular tiles), as c9's two-part tile. Grid: E * n
+    tiles (blocks past the list return)."""
+    comptime BM = 128 + ABSORB
+    comptime BN = 64 * NWG
+    var top_k = Int(top_k_)
+    var n_experts = Int(n_experts_)
+    var n_rows = Int(n_rows_)
+    var k_dim = Int(k_dim_)
+    var n_tiles_n = (n_rows + BN - 1) // BN
+    var lst = meta.unsafe_offset(2 * n_experts + 2 + Int(n_pairs_))
+    var j = Int(block_idx.x) // n_tiles_n
+    if j >= Int(lst[unsafe_offset=0]):
+        return
+    var e = Int(lst[unsafe_offset=1 + j])
+    var first = Int(meta[unsafe_offset=e])
+    var count = Int(meta[unsafe_offset=e + 1]) - first
+    var regular = Int(expert_tiles(count, 128, ABSORB)[0])
+    var row0 = first + 128 * regular
+    var rows_valid = count - 128 * regular  # 129 .. 128 + ABSORB
+    var n0 = (Int(block_idx.x) - j * n_tiles_n) * BN
+    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]()
+    var smem = raw.unsafe_offset((1024 - (Int(raw) & 1023)) & 1023)
+    _p2_tile[down, BM, 128, ABSORB, NWG, STAGES](
+        smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0, rows_valid, n0
+    )
+
+
+def p2_absorbed_smem_bytes(c: Int) -> Int:
+    """Dynamic shared memory of c10's absorbed launch (+1 KB to align the base)."""
+    return cfg_stages(c) * p2_stage_bytes(128 + ABSORB, cfg_bn(c)) + 1024
+
+
 def combine_kernel[
     out_dtype: DType
 ](
@@ -1181,7 +1281,8 @@ def _gate_up_cfg[
     var n_pairs = tokens * top_k
     var meta = _meta_ptr(h, n_pairs, rows // 2)
     ctx.enqueue_function[route_kernel](
-        meta, ids, Int64(n_pairs), Int64(n_experts), Int64(BM), grid_dim=1, block_dim=ROUTE_THREADS
+        meta, ids, Int64(n_pairs), Int64(n_experts), Int64(BM), Int64(cfg_absorb(c)), grid_dim=1,
+        block_dim=ROUTE_THREADS
     )
     comptime if cfg_wgmma(c):
         comptime kernel = p2_gemm_kernel[False, BM, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
@@ -1204,6 +1305,28 @@ def _gate_up_cfg[
             shared_mem_bytes=SMEM,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(SMEM)),
         )
+        comptime if cfg_absorb(c) > 0:
+            comptime absorbed = p2_absorbed_kernel[False, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
+            comptime ASMEM = p2_absorbed_smem_bytes(c)
+            ctx.enqueue_function[absorbed](
+                h.unsafe_bitcast[BFloat16](),
+                h,
+                x,
+                rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+                bias,
+                blocks,
+                scales,
+                bias,
+                Int64(top_k),
+                Int64(n_experts),
+                Int64(n_pairs),
+                Int64(rows),
+                Int64(hidden),
+                grid_dim=n_experts * ((rows + BN - 1) // BN),
+                block_dim=p2_threads(c),
+                shared_mem_bytes=ASMEM,
+                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(ASMEM)),
+            )
     else:
         comptime kernel = gemm_kernel[False, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
         ctx.enqueue_function[kernel](
@@ -1269,6 +1392,28 @@ def _down_cfg[
             shared_mem_bytes=SMEM,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(SMEM)),
         )
+        comptime if cfg_absorb(c) > 0:
+            comptime absorbed = p2_absorbed_kernel[True, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
+            comptime ASMEM = p2_absorbed_smem_bytes(c)
+            ctx.enqueue_function[absorbed](
+                rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
+                partial,
+                hb,
+                rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
+                wts,
+                blocks,
+                scales,
+                bias,
+                Int64(top_k),
+                Int64(n_experts),
+                Int64(n_pairs),
+                Int64(hidden),
+                Int64(inter),
+                grid_dim=n_experts * ((hidden + BN - 1) // BN),
+                block_dim=p2_threads(c),
+                shared_mem_bytes=ASMEM,
+                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(ASMEM)),
+            )
     else:
         comptime kernel = gemm_kernel[True, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
         ctx.enqueue_function[kernel](
