@@ -21,6 +21,8 @@
 #     [0, E]                 expert offsets into the sorted order
 #     [E + 1, 2E + 1]        tile starts (BM-row tiles) per expert
 #     [2E + 2, 2E + 2 + P)   sorted position -> pair index t * K + k
+#     [2E + 2 + P, 3E + 3 + P)  count, then ids of the experts with an
+#                            absorbed tile (c10; count 0 otherwise)
 #   partial [P, H] f32       (the down op's scratch), indexed by pair.
 #
 # Inner product (per 32-element MXFP4 block, two k16 mma): lane (g, q)
