@@ -48,7 +48,8 @@ def main() raises:
           prefill_choice(512, 4, 128, 2880, 2880, 0), prefill_choice(16384, 4, 128, 2880, 2880, 0),
           prefill_choice(3584, 4, 128, 2880, 2880, 0), prefill_choice(3840, 4, 128, 2880, 2880, 0),
           prefill_choice(4608, 4, 128, 2880, 2880, 0), prefill_choice(5120, 4, 128, 2880, 2880, 0),
-          prefill_choice(5152, 4, 128, 2880, 2880, 0), prefill_choice(1024, 4, 32, 2880, 2880, 0))
+          prefill_choice(5152, 4, 128, 2880, 2880, 0), prefill_choice(1024, 4, 32, 2880, 2880, 0),
+          prefill_choice(7648, 4, 128, 2880, 2880, 0), prefill_choice(7680, 4, 128, 2880, 2880, 0))
     # test_moe_op.py's t288_c9 case (288 tokens, top-4 of 8 experts, H = I = 128) takes c9 on a GPU
     print("choice_t288", prefill_choice(288, 4, 8, 128, 128, 0))
     # and its t2048_c10 case (2048 tokens, top-4 of 64 experts, H = I = 64) takes c10
@@ -136,8 +137,9 @@ def test_path_choice(lines) -> None:
     k96, mid, low, high, *band = map(int, _rows(lines, "choice_auto")[0])
     # 120b T = 8192 / 16384 (256 / 512 pairs per expert): c10; T = 512 (16): c7
     assert (k96, mid, low, high) == (4, 10, 7, 10)
-    # 120b (128 experts) 112 -> c5, 120, 144, 160 -> c10, 161 -> c10; 20b (32 experts) at 128 -> c9
-    assert band == [5, 10, 10, 10, 10, 9]
+    # 120b (128 experts) 112 -> c5, 120, 144, 160 -> c10, 161 -> c5; 20b (32 experts) at 128 -> c9;
+    # 120b 239 -> c5, 240 -> c10
+    assert band == [5, 10, 10, 10, 5, 9, 5, 10]
     assert _rows(lines, "choice_t288") == [["9"]]
     assert _rows(lines, "choice_t2048") == [["10"]]
 

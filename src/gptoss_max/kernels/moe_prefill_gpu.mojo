@@ -141,10 +141,12 @@ def cfg_stages(c: Int) -> Int:
 
 
 # Mean routed pairs per expert for which auto_config takes c9 or c10 (measured band),
-# above which it takes c10, and the expert count from which c10 beats c9 in the band.
+# the expert count from which c10 beats c9 in the band, and the load from which c10
+# beats c5 again above it (where counts pass 256, 384, ... by a few pairs).
 comptime C9_MIN_PAIRS = 120
 comptime C9_MAX_PAIRS = 160
 comptime C10_MIN_EXPERTS = 64
+comptime C10_MIN_PAIRS_ABOVE = 240
 
 
 def auto_config(pairs_per_expert: Int, n_experts: Int) -> Int:
@@ -167,10 +169,15 @@ def auto_config(pairs_per_expert: Int, n_experts: Int) -> Int:
     2048 / 4096 / 8192 356.8 / 395.0 / 402.6 against 354.8 / 390.0 / 389.6;
     at 20b T = 1024 (128 pairs, 32 experts: each launch holds half as many
     blocks) c9 330.7, c5 313.1, c10 304.1 (moe_prefill_h100_20261122_c10.json).
+    Between the band and 240 pairs almost no count ends <= 32 pairs past a
+    multiple of 128, so c10 is c5 plus a second launch: at 176 / 192 pairs
+    c5 329.8 / 336.4 against c10 321.5 / 334.4 (120b), 314.1 / 326.3 against
+    292.9 / 316.9 (20b); at 384 / 400 c10 390.3 / 387.9 against 372.2 /
+    371.0 (moe_prefill_h100_20261122_c10_edges.json).
     c6 and the p1 configs (c0..c4) stay selectable by path."""
     if pairs_per_expert >= C9_MIN_PAIRS and pairs_per_expert <= C9_MAX_PAIRS:
         return 10 if n_experts >= C10_MIN_EXPERTS else 9
-    if pairs_per_expert > C9_MAX_PAIRS:
+    if pairs_per_expert >= C10_MIN_PAIRS_ABOVE:
         return 10
     if pairs_per_expert >= 32:
         return 5
