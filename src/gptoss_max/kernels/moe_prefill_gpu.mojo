@@ -184,10 +184,22 @@ def auto_config(pairs_per_expert: Int, n_experts: Int) -> Int:
     return 7
 
 
+@always_inline
+def meta_sorted(n_experts: Int) -> Int:
+    """Word offset of the sorted pair ids in meta (after the offsets and tile starts)."""
+    return 2 * n_experts + 2
+
+
+@always_inline
+def meta_absorbed(n_experts: Int, n_pairs: Int) -> Int:
+    """Word offset of the absorbed-expert list in meta (after the sorted ids)."""
+    return meta_sorted(n_experts) + n_pairs
+
+
 def meta_words(n_pairs: Int, n_experts: Int) -> Int:
     """offsets [E + 1], tile starts [E + 1], sorted pair ids [P], absorbed
     experts: a count and up to E ids (c10)."""
-    return 3 * n_experts + 3 + n_pairs
+    return meta_absorbed(n_experts, n_pairs) + n_experts + 1
 
 
 def prefill_feasible(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: Int) -> Bool:
@@ -345,7 +357,7 @@ def route_kernel(
         var o = 0
         var t = 0
         var n_abs = 0
-        var abs_list = meta.unsafe_offset(2 * n_experts + 2 + n_pairs)
+        var abs_list = meta.unsafe_offset(meta_absorbed(n_experts, n_pairs))
         for e in range(n_experts):
             var c = Int(cnt[unsafe_offset=e])
             meta[unsafe_offset=e] = Int32(o)
@@ -361,7 +373,7 @@ def route_kernel(
         meta[unsafe_offset=2 * n_experts + 1] = Int32(t)
         abs_list[unsafe_offset=0] = Int32(n_abs)
     barrier()
-    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    var sorted = meta.unsafe_offset(meta_sorted(n_experts))
     for p0 in range(tid, n_pairs, ROUTE_THREADS * ROUTE_BATCH):
         var eb = _route_batch(ids, n_pairs, p0)
         comptime for i in range(ROUTE_BATCH):
@@ -447,7 +459,7 @@ def gemm_kernel[
     var n_tiles_n = (n_rows + BN - 1) // BN
     var off = meta
     var ts = meta.unsafe_offset(n_experts + 1)
-    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    var sorted = meta.unsafe_offset(meta_sorted(n_experts))
     var tile = find_tile(ts, n_experts, n_tiles_n, Int(block_idx.x))
     if tile[3] == 0:
         return
@@ -1143,7 +1155,7 @@ def p2_gemm_kernel[
     var k_dim = Int(k_dim_)
     var n_tiles_n = (n_rows + BN - 1) // BN
     var ts = meta.unsafe_offset(n_experts + 1)
-    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    var sorted = meta.unsafe_offset(meta_sorted(n_experts))
     var tile = find_tile(ts, n_experts, n_tiles_n, Int(block_idx.x))
     if tile[3] == 0:
         return
@@ -1177,7 +1189,7 @@ def p2_gemm_kernel[
     `nvvm.minctasm`=SIMDLength(MIN_BLOCKS),
 )
 def p2_absorbed_kernel[
-    down: Bool, NWG: Int, STAGES: Int, MIN_BLOCKS: Int
+    down: Bool, BASE: Int, NWG: Int, STAGES: Int, MIN_BLOCKS: Int
 ](
     h_out: Pointer[BFloat16, MutAnyOrigin],
     partial: Pointer[Float32, MutAnyOrigin],
@@ -1194,38 +1206,38 @@ def p2_absorbed_kernel[
     k_dim_: Int64,
 ):
     """c10's second launch: the absorbed tiles (the route's list, meta after
-    the sorted ids), one per listed expert and n tile: 128 + up to ABSORB
-    rows from 128 * (its regular tiles), as c9's two-part tile. Grid: E * n
-    tiles (blocks past the list return)."""
-    comptime BM = 128 + ABSORB
+    the sorted ids), one per listed expert and n tile: BASE (the route's
+    tile) + up to ABSORB rows from BASE * (its regular tiles), as c9's
+    two-part tile. Grid: E * n tiles (blocks past the list return)."""
+    comptime BM = BASE + ABSORB
     comptime BN = 64 * NWG
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
     var n_rows = Int(n_rows_)
     var k_dim = Int(k_dim_)
     var n_tiles_n = (n_rows + BN - 1) // BN
-    var lst = meta.unsafe_offset(2 * n_experts + 2 + Int(n_pairs_))
+    var lst = meta.unsafe_offset(meta_absorbed(n_experts, Int(n_pairs_)))
     var j = Int(block_idx.x) // n_tiles_n
     if j >= Int(lst[unsafe_offset=0]):
         return
     var e = Int(lst[unsafe_offset=1 + j])
     var first = Int(meta[unsafe_offset=e])
     var count = Int(meta[unsafe_offset=e + 1]) - first
-    var regular = Int(expert_tiles(count, 128, ABSORB)[0])
-    var row0 = first + 128 * regular
-    var rows_valid = count - 128 * regular  # 129 .. 128 + ABSORB
+    var regular = Int(expert_tiles(count, BASE, ABSORB)[0])
+    var row0 = first + BASE * regular
+    var rows_valid = count - BASE * regular  # BASE + 1 .. BASE + ABSORB
     var n0 = (Int(block_idx.x) - j * n_tiles_n) * BN
-    var sorted = meta.unsafe_offset(2 * n_experts + 2)
+    var sorted = meta.unsafe_offset(meta_sorted(n_experts))
     var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]()
     var smem = raw.unsafe_offset((1024 - (Int(raw) & 1023)) & 1023)
-    _p2_tile[down, BM, 128, ABSORB, NWG, STAGES](
+    _p2_tile[down, BM, BASE, ABSORB, NWG, STAGES](
         smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0, rows_valid, n0
     )
 
 
 def p2_absorbed_smem_bytes(c: Int) -> Int:
     """Dynamic shared memory of c10's absorbed launch (+1 KB to align the base)."""
-    return cfg_stages(c) * p2_stage_bytes(128 + ABSORB, cfg_bn(c)) + 1024
+    return cfg_stages(c) * p2_stage_bytes(cfg_bm(c) + ABSORB, cfg_bn(c)) + 1024
 
 
 def combine_kernel[
@@ -1315,7 +1327,7 @@ def _gate_up_cfg[
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(SMEM)),
         )
         comptime if cfg_absorb(c) > 0:
-            comptime absorbed = p2_absorbed_kernel[False, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
+            comptime absorbed = p2_absorbed_kernel[False, BM, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
             comptime ASMEM = p2_absorbed_smem_bytes(c)
             ctx.enqueue_function[absorbed](
                 h.unsafe_bitcast[BFloat16](),
@@ -1402,7 +1414,7 @@ def _down_cfg[
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(SMEM)),
         )
         comptime if cfg_absorb(c) > 0:
-            comptime absorbed = p2_absorbed_kernel[True, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
+            comptime absorbed = p2_absorbed_kernel[True, BM, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
             comptime ASMEM = p2_absorbed_smem_bytes(c)
             ctx.enqueue_function[absorbed](
                 rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
