@@ -1,9 +1,10 @@
 """Host-side logic of the MXFP4 prefill path (kernels/moe_prefill_gpu.mojo),
 checked on the CPU by running the kernel package's own functions in a small
-Mojo program: the path choice both ops make, the k order the weight decode
-and the activation permute agree on (a dot product through them equals the
-plain one), the decode-ordered h layout, and the block -> tile map of the
-grouped GEMM grid (every tile once, nothing past the end)."""
+Mojo program: the path choice both ops make, the weight decode of the tiled
+layout's repacked words (each pair the elements the layout puts there, exact)
+and the decode kernel's activation order agreeing with it (a dot product
+through them equals the plain one, bf16 and f32 activations), and the block ->
+tile map of the grouped GEMM grid (every tile once, nothing past the end)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ from gptoss_max import mxfp4
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
-    ABSORB, N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS, decode_word, expert_tiles, find_tile, h_slot,
-    permute_x, prefill_choice,
+    ABSORB, N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS, decode_word, expert_tiles, find_tile,
+    prefill_choice,
 )
+from gptoss_kernels.moe_gpu import A_BF16, A_F32, _decode_block, _load_a
 from std.memory import bitcast
+
+def pair_dot(a: UInt32, b: UInt32) -> Float32:
+    var av = bitcast[DType.bfloat16, 2](a).cast[DType.float32]()
+    var bv = bitcast[DType.bfloat16, 2](b).cast[DType.float32]()
+    return av[0] * bv[0] + av[1] * bv[1]
 
 def lcg(mut s: UInt64) -> UInt32:
     s = s * 6364136223846793005 + 1442695040888963407
@@ -54,23 +61,44 @@ def main() raises:
     print("choice_t288", prefill_choice(288, 4, 8, 128, 128, 0))
     # and its t2048_c10 case (2048 tokens, top-4 of 64 experts, H = I = 64) takes c10
     print("choice_t2048", prefill_choice(2048, 4, 64, 64, 64, 0))
-    for i in range(64):
-        print("slot", i, h_slot(i))
     var s: UInt64 = 7
-    for _ in range(400):
-        var w = lcg(s)
+    for it in range(300):
+        var wv = SIMD[DType.uint32, 4](lcg(s), lcg(s), lcg(s), lcg(s))
         var sc = 100 + lcg(s) % 40
-        var xw = SIMD[DType.uint32, 4](0)
-        for j in range(4):
-            xw[j] = (lcg(s) & 0x80FF80FF) | 0x3E003E00  # bf16 pairs, |x| in [2^-4, 2^-2)
-        var a = permute_x(xw)
-        var b = decode_word(w, sc)
+        # p1 / p2: one word's four slots
+        for q in range(4):
+            var d = decode_word(wv[q], sc)
+            print("word", wv[0], wv[1], wv[2], wv[3], sc, q, d[0], d[1], d[2], d[3])
+        # the decode kernel: a block's 16 decoded pairs against _load_a's activation words
+        var x = List[UInt32]()
+        var xf = List[Float32]()
+        for _ in range(16):
+            var v = (lcg(s) & 0x80FF80FF) | 0x3E003E00  # bf16 pairs, |x| in [2^-4, 2^-2)
+            x.append(v)
+            var h2 = bitcast[DType.bfloat16, 2](v).cast[DType.float32]()
+            xf.append(h2[0] * (1 + Float32(it % 7) * 2.0e-3))  # f32 activations: not bf16-exact
+            xf.append(h2[1] * (1 - Float32(it % 5) * 3.0e-3))
+        var pairs: SIMD[DType.uint32, 16]
+        if sc > 128:
+            pairs = _decode_block[True](wv, sc)
+        else:
+            pairs = _decode_block[False](wv, sc)
+        var xb = _load_a[A_BF16](Pointer(to=x[0]), 0, 0)[0]
+        var xs = _load_a[A_F32](Pointer(to=xf[0]).bitcast[UInt32](), 0, 0)
         var dot: Float32 = 0
-        for j in range(4):
-            var av = bitcast[DType.bfloat16, 2](a[j]).cast[DType.float32]()
-            var bv = bitcast[DType.bfloat16, 2](b[j]).cast[DType.float32]()
-            dot += av[0] * bv[0] + av[1] * bv[1]
-        print("dot", w, sc, xw[0], xw[1], xw[2], xw[3], dot)
+        var fdot: Float32 = 0
+        for j in range(16):
+            dot += pair_dot(pairs[j], xb[j])
+            fdot += pair_dot(pairs[j], xs[0][j]) + pair_dot(pairs[j], xs[1][j])
+        print("bdot", wv[0], wv[1], wv[2], wv[3], sc, dot, fdot)
+        var line = String("x")
+        for j in range(16):
+            line += " " + String(x[j])
+        print(line)
+        var fline = String("xf")
+        for j in range(32):
+            fline += " " + String(xf[j])
+        print(fline)
     # tiles: counts per expert -> tile starts as the route kernel writes them
     var n_experts = 9
     var bm = 64
@@ -175,36 +203,66 @@ def test_bench_sweeps_every_config(lines) -> None:
     assert int(re.search(r"^N_CONFIGS = (\d+)", bench, re.M).group(1)) == n_configs
 
 
-def test_h_layout_is_the_decode_order(lines) -> None:
-    slot = {int(i): int(p) for i, p in _rows(lines, "slot")}
-    assert sorted(slot.values()) == list(range(64))
-    for base in range(0, 64, 8):
-        stored = [None] * 8
-        for r in range(8):
-            stored[slot[base + r] - base] = r
-        # pair words of a row as down reads them: (e3,e7) (e2,e6) (e1,e5) (e0,e4)
-        assert stored == [3, 7, 2, 6, 1, 5, 0, 4]
-
-
 def _bf16(words: np.ndarray) -> np.ndarray:
     """u32 words -> their two bf16 halves (low first) as float64."""
     halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint32) << 16
     return halves.view(np.float32).astype(np.float64).reshape(-1)
 
 
-def test_decode_and_permute_agree_on_k_order(lines) -> None:
-    """A lane's 8 weights (one u32 of codes) decoded and its 8 activations
-    permuted give the plain dot product: the k orders match."""
-    rows = _rows(lines, "dot")
-    assert len(rows) == 400
-    for w, sc, x0, x1, x2, x3, dot in rows:
-        codes = np.array([(int(w) >> (4 * j)) & 15 for j in range(8)], dtype=np.uint8)
-        block = np.zeros((1, 16), dtype=np.uint8)
-        block[0, :4] = codes[0::2] | (codes[1::2] << 4)
-        wv = mxfp4.decode(block.reshape(1, 1, 16), np.array([[int(sc)]], dtype=np.uint8)).reshape(-1)[:8]
-        xv = _bf16(np.array([int(x0), int(x1), int(x2), int(x3)], dtype=np.uint64))
-        want = float(np.dot(xv, wv.astype(np.float64)))
-        assert math.isclose(float(dot), want, rel_tol=1e-5, abs_tol=1e-6 * np.abs(xv * wv).sum()), (w, sc)
+def _natural_block(words) -> np.ndarray:
+    """A tiled block's 4 repacked u32 words -> its 16 code bytes in the checkpoint's order,
+    by the layout's rule restated (gptoss_max/mxfp4.py): code bit i of element 8c + 2q + b sits
+    in word q at (6, 7, 8, 15)[i] + 16 b, rotated left by 6c for c < 3; slot 3 rotates bit 0
+    by 10 and the others by 2."""
+    out = np.zeros(16, dtype=np.uint8)
+    for q, w in enumerate(int(v) for v in words):
+        for c in range(4):
+            for b in range(2):
+                code = 0
+                for i in range(4):
+                    base = (6 + i if i < 3 else 15) + 16 * b
+                    rot = 6 * c if c < 3 else (10 if i == 0 else 2)
+                    code |= ((w >> ((base + rot) % 32)) & 1) << i
+                out[4 * c + q] |= code << (4 * b)
+    return out
+
+
+def _block_values(words, sc) -> np.ndarray:
+    blk = _natural_block(words).reshape(1, 1, 16)
+    return mxfp4.decode(blk, np.array([[int(sc)]], dtype=np.uint8)).reshape(-1).astype(np.float64)
+
+
+def test_word_decode_gives_each_slot_its_elements(lines) -> None:
+    """decode_word's slot c of word q is elements (8c + 2q, 8c + 2q + 1), exactly (scales on
+    both sides of 128)."""
+    rows = _rows(lines, "word")
+    assert len(rows) == 1200
+    scales = set()
+    for *ws, sc, q, d0, d1, d2, d3 in rows:
+        vals = _block_values(ws, sc)
+        q = int(q)
+        got = _bf16(np.array([int(d0), int(d1), int(d2), int(d3)], dtype=np.uint64))
+        want = np.array([vals[8 * c + 2 * q + b] for c in range(4) for b in range(2)])
+        np.testing.assert_array_equal(got, want)
+        scales.add(int(sc) > 128)
+    assert scales == {False, True}
+
+
+def test_decode_kernel_activation_order_matches_its_pairs(lines) -> None:
+    """A block decoded by the decode kernel and x loaded by its _load_a (bf16, and f32 split
+    into hi + lo) give the plain dot product: the k orders agree."""
+    bdots, xs, xfs = _rows(lines, "bdot"), _rows(lines, "x"), _rows(lines, "xf")
+    assert len(bdots) == len(xs) == len(xfs) == 300
+    for (*ws, sc, dot, fdot), xw, xf in zip(bdots, xs, xfs, strict=True):
+        wv = _block_values(ws, sc)
+        xv = _bf16(np.array([int(v) for v in xw], dtype=np.uint64))
+        want = float(np.dot(xv, wv))
+        tol = 1e-6 * np.abs(xv * wv).sum()
+        assert math.isclose(float(dot), want, rel_tol=1e-5, abs_tol=tol), (ws, sc)
+        xfv = np.array([float(v) for v in xf])
+        want_f = float(np.dot(xfv, wv))
+        # hi + lo carries x to ~2^-16 relative
+        assert math.isclose(float(fdot), want_f, rel_tol=1e-4, abs_tol=1e-5 * np.abs(xfv * wv).sum()), (ws, sc)
 
 
 def test_tiles_cover_each_expert_tile_once(lines) -> None:

@@ -28,8 +28,8 @@ CASES = {"n64": (128, 64, 0, 61), "n128+32": (160, 128, 32, 150)}
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
-    P2_BK, P2_B_STRIDE, a_pair_sel, p2_acc_gate, p2_acc_up, p2_b_src, p2_group_scales, p2_nt_variant, p2_row0,
-    p2_part_desc, p2_row_mults, p2_s_row, p2_scale_window, p2_stage_bytes, p2_step_frag, p2_x_dst, p2_x_row,
+    P2_BK, P2_B_STRIDE, p2_acc_gate, p2_acc_up, p2_b_src, p2_frag, p2_group_scales, p2_nt_variant, p2_row0,
+    p2_part_desc, p2_row_mults, p2_s_row, p2_scale_window, p2_stage_bytes, p2_x_dst, p2_x_row,
     packed_unit, wgmma_desc_sw128,
 )
 from std.memory import bitcast
@@ -115,21 +115,19 @@ def main() raises:
             for j in range(K // 2):
                 big = big or scales[g0 + j] > 128
             var win = ld32(smem, st + BM * 128 + BN * 32 + r0 * 4)
-            var sel = a_pair_sel(tid & 3)
+            var q = tid & 3
             for blk in range(2):
                 var m0 = p2_row_mults[True](win, blk) if big else p2_row_mults[False](win, blk)
                 var m1 = p2_row_mults[True](win, 2 + blk) if big else p2_row_mults[False](win, 2 + blk)
-                var v0 = SIMD[DType.uint32, 4](0)
-                var v1 = SIMD[DType.uint32, 4](0)
-                for j in range(4):
-                    v0[j] = ld32(smem, st + BM * 128 + packed_unit(2 * r0 + blk) * 16 + 4 * j)
-                    v1[j] = ld32(smem, st + BM * 128 + packed_unit(2 * r0 + 2 + blk) * 16 + 4 * j)
-                for s2 in range(2):
+                # word q of rows R0 and R1's block, as _p2_loop reads them
+                var wa = ld32(smem, st + BM * 128 + packed_unit(2 * r0 + blk) * 16 + 4 * q)
+                var wb = ld32(smem, st + BM * 128 + packed_unit(2 * r0 + 2 + blk) * 16 + 4 * q)
+                comptime for s2 in range(2):
                     var f: SIMD[DType.bfloat16, 8]
                     if big:
-                        f = p2_step_frag[True](v0, v1, s2, sel, m0, m1)
+                        f = p2_frag[True, s2](wa, wb, m0, m1)
                     else:
-                        f = p2_step_frag[False](v0, v1, s2, sel, m0, m1)
+                        f = p2_frag[False, s2](wa, wb, m0, m1)
                     var fb = bitcast[DType.uint16, 8](f)
                     var line = String("f ", tid, " ", kb, " ", 2 * blk + s2)
                     for j in range(8):

@@ -1,6 +1,6 @@
-"""The MoE op's tiled MXFP4 byte order (gptoss_max.mxfp4.tile_for_op): the element map the
-kernels index by (mxfp4.mojo tiled_block_offset / tiled_scale_offset), its inverse, its limits,
-and that the loader hands the op tiled experts."""
+"""The MoE op's MXFP4 layout (gptoss_max.mxfp4.tile_for_op): the block map the kernels index by
+(mxfp4.mojo tiled_block_offset / tiled_scale_offset), the word repack inside each block and the
+kernels' decode of it, their inverses, their limits, and that the loader hands the op its layout."""
 
 from __future__ import annotations
 
@@ -17,6 +17,38 @@ def _offsets(e, r, c, rows, nb):
     return blk, scl
 
 
+def _rotr(w, r):
+    return ((w >> np.uint32(r)) | (w << np.uint32(32 - r))) if r else w
+
+
+def _kernel_decode(block_bytes, scales):
+    """The kernels' decode, restated: `[..., 16]` u8 blocks as 4 little-endian u32 words; slot c of
+    word q is elements 8c + 2q (low bf16 half) and 8c + 2q + 1 (high half), as e2m1 * 2**-126, then
+    times 2**(s - 1). Float64 `[..., 32]`."""
+    w = np.ascontiguousarray(block_bytes).view("<u4")  # [..., 4]
+    pairs = [_rotr(w, 6 * c) & np.uint32(0x81C081C0) for c in range(3)]
+    pairs.append((_rotr(w, 10) & np.uint32(0x00400040)) | (_rotr(w, 2) & np.uint32(0x81808180)))
+    out = np.empty((*w.shape[:-1], 32))
+    for c, p in enumerate(pairs):
+        for b, half in enumerate((p & np.uint32(0xFFFF), p >> np.uint32(16))):
+            bf16 = (half.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+            out[..., 8 * c + b : 8 * c + 8 : 2] = bf16 * 2.0**126  # element 8c + 2q + b, q = 0..3
+    return out * np.exp2(scales.astype(np.float64) - 1.0)[..., None] * 2.0**-126
+
+
+def _op_view(tb, ts, e_, rows, nb):
+    """The blocks and scales at the kernels' offsets, back in `[E, rows, nb]` order."""
+    flat_b, flat_s = tb.reshape(-1), ts.reshape(-1)
+    blocks, scales = np.empty((e_, rows, nb, 16), np.uint8), np.empty((e_, rows, nb), np.uint8)
+    for e in range(e_):
+        for r in range(rows):
+            for c in range(nb):
+                ob, os_ = _offsets(e, r, c, rows, nb)
+                blocks[e, r, c] = flat_b[ob : ob + 16]
+                scales[e, r, c] = flat_s[os_]
+    return blocks, scales
+
+
 def test_tiled_element_map_matches_the_kernels_formulas():
     rng = np.random.default_rng(0)
     e_, rows, nb = 3, 48, 6
@@ -24,13 +56,63 @@ def test_tiled_element_map_matches_the_kernels_formulas():
     scales = rng.integers(0, 256, (e_, rows, nb), dtype=np.uint8)
     tb, ts = mxfp4.tile_for_op(blocks, scales)
     assert tb.shape == blocks.shape and ts.shape == scales.shape
-    flat_b, flat_s = tb.reshape(-1), ts.reshape(-1)
-    for e in range(e_):
-        for r in range(rows):
-            for c in range(nb):
-                ob, os_ = _offsets(e, r, c, rows, nb)
-                np.testing.assert_array_equal(flat_b[ob : ob + 16], blocks[e, r, c])
-                assert flat_s[os_] == scales[e, r, c]
+    got_b, got_s = _op_view(tb, ts, e_, rows, nb)
+    np.testing.assert_array_equal(got_s, scales)
+    assert not np.array_equal(got_b, blocks)  # the bits inside each block moved
+    np.testing.assert_array_equal(mxfp4.repack_words(got_b, inverse=True), blocks)
+    np.testing.assert_array_equal(got_b, mxfp4.repack_words(blocks))
+    ok = scales <= 252  # where mxfp4.decode's float32 stays finite
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = mxfp4.decode(blocks, scales).reshape(e_, rows, nb, 32)
+    np.testing.assert_array_equal(_kernel_decode(got_b, got_s)[ok], want[ok])
+
+
+@pytest.mark.parametrize("scale", [0, 1, 100, 118, 127, 128, 200, 252])
+def test_kernel_decode_of_the_op_layout_is_decode_on_every_byte(scale):
+    """Every byte value at every byte position of a block, through the op's layout and the kernels'
+    word decode (rotations and masks, bf16 bits), against mxfp4.decode exactly, signs of zero too."""
+    k = np.arange(256)
+    blocks = ((k[:, None] + np.arange(16)) % 256).astype(np.uint8).reshape(1, 32, 8, 16)
+    scales = np.full((1, 32, 8), scale, dtype=np.uint8)
+    got_b, got_s = _op_view(*mxfp4.tile_for_op(blocks, scales), 1, 32, 8)
+    got = _kernel_decode(got_b, got_s)
+    want = mxfp4.decode(blocks, scales).reshape(got.shape).astype(np.float64)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_word_bit_positions_are_distinct_and_each_bit_lands_there():
+    pos = mxfp4.word_bit_positions()
+    assert pos.shape == (4, 2, 4) and sorted(pos.reshape(-1).tolist()) == list(range(32))
+    assert pos[0].tolist() == [[6, 7, 8, 15], [22, 23, 24, 31]]  # a bf16 pair's sign and magnitude bits
+    rng = np.random.default_rng(4)
+    background = rng.integers(0, 256, 16, dtype=np.uint8)
+    base = mxfp4.repack_words(background)
+    for e in range(32):  # element e = 8c + 2q + b: checkpoint byte e // 2, nibble b
+        c, q, b = e // 8, (e % 8) // 2, e % 2
+        for i in range(4):
+            flipped = background.copy()
+            flipped[e // 2] ^= np.uint8(1 << (4 * b + i))
+            diff = (mxfp4.repack_words(flipped) ^ base).view("<u4")
+            assert np.count_nonzero(diff) == 1 and int(diff[q]) == 1 << int(pos[c, b, i]), (e, i)
+
+
+def test_repack_words_round_trips_numpy_and_torch(monkeypatch):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 256, (7, 3, 5 * 16), dtype=np.uint8)  # any shape, read as 16-byte blocks
+    y = mxfp4.repack_words(x)
+    assert y.shape == x.shape and not np.array_equal(y, x)
+    np.testing.assert_array_equal(mxfp4.repack_words(y, inverse=True), x)
+    monkeypatch.setattr(mxfp4, "_WORD_CHUNK", 4)  # steps that end mid-array
+    np.testing.assert_array_equal(mxfp4.repack_words(x), y)
+    np.testing.assert_array_equal(mxfp4.repack_words(y, inverse=True), x)
+    monkeypatch.setattr(mxfp4, "_TORCH_WORD_CHUNK", 4)
+    yt = mxfp4.repack_words(torch.from_numpy(x))
+    np.testing.assert_array_equal(yt.numpy(), y)
+    np.testing.assert_array_equal(mxfp4.repack_words(yt, inverse=True).numpy(), x)
+    with pytest.raises(ValueError, match="16 bytes"):
+        mxfp4.repack_words(x[..., :8])
 
 
 def test_untile_inverts_tile_numpy_and_torch():
@@ -46,6 +128,12 @@ def test_untile_inverts_tile_numpy_and_torch():
     tb2, ts2 = mxfp4.tile_for_op(torch.from_numpy(blocks), torch.from_numpy(scales))
     np.testing.assert_array_equal(tb2.numpy(), tb)
     np.testing.assert_array_equal(ts2.numpy(), ts)
+    ub2, us2 = mxfp4.untile_from_op(tb2, ts2)
+    np.testing.assert_array_equal(ub2.numpy(), blocks)
+    np.testing.assert_array_equal(us2.numpy(), scales)
+    one = torch.from_numpy(blocks[:, :16, :32].copy())  # one tile, one pair: no block moves
+    np.testing.assert_array_equal(mxfp4.tile_blocks(one).numpy(), mxfp4.repack_words(blocks[:, :16, :32]))
+    np.testing.assert_array_equal(one.numpy(), blocks[:, :16, :32])  # the caller's tensor untouched
 
 
 @pytest.mark.parametrize("rows, nb", [(24, 4), (32, 3)])
@@ -105,6 +193,7 @@ def test_threaded_repack_matches_the_single_copy(monkeypatch):
     scales = rng.integers(0, 256, (5, 32, 6), dtype=np.uint8)
     single = mxfp4.tile_for_op(blocks, scales)
     monkeypatch.setattr(mxfp4, "_THREADED_BYTES", 1)
+    monkeypatch.setattr(mxfp4, "_WORD_CHUNK", 5)  # word steps of one tile, and partial ones
     threaded = mxfp4.tile_for_op(blocks, scales)
     back = mxfp4.untile_from_op(*threaded)
     for got, want in zip((*threaded, *back), (*single, blocks, scales), strict=True):
@@ -116,6 +205,7 @@ def test_threaded_repack_matches_the_single_copy(monkeypatch):
 def test_in_place_repack_rewrites_the_array_itself(monkeypatch, threaded):
     if threaded:
         monkeypatch.setattr(mxfp4, "_THREADED_BYTES", 1)
+        monkeypatch.setattr(mxfp4, "_WORD_CHUNK", 200)  # steps of 2 tiles, then a partial one
     rng = np.random.default_rng(3)
     blocks = rng.integers(0, 256, (4, 48, 6 * 16), dtype=np.uint8)
     scales = rng.integers(0, 256, (4, 48, 6), dtype=np.uint8)

@@ -1,8 +1,9 @@
 # Pieces shared by the MoE ops: gpt-oss's clamped SwiGLU, a dense row dot, and
-# the GPU kernels' MXFP4 -> bf16 pair decode and the decode order of h that
-# gate_up writes and down reads (moe_gpu.mojo and moe_prefill_gpu.mojo alike).
+# the GPU kernels' MXFP4 -> bf16 pair decode of the tiled layout's repacked
+# words (moe_gpu.mojo and moe_prefill_gpu.mojo alike).
 
 from std.math import exp
+from std.bit import rotate_bits_right
 from std.memory import bitcast
 
 comptime SWIGLU_LIMIT: Float32 = 7.0
@@ -37,29 +38,47 @@ def dense_row_dot[
 
 
 @always_inline
-def h_slot(i: Int) -> Int:
-    """Position of h element i in a decode-ordered row: in each group of 8,
-    elements (3, 7, 2, 6, 1, 5, 0, 4) in that order (the pair words
-    decode_pair makes from nibbles (3, 7), (2, 6), ... of a u32)."""
-    var r = i & 7
-    var s = 3 - r if r < 4 else 7 - r
-    return (i & ~7) + 2 * s + (0 if r < 4 else 1)
-
-
-@always_inline
 def scale_mult(s: UInt32) -> SIMD[DType.bfloat16, 2]:
-    """2^(s-1) in both halves: decode_pair's multiplier for E8M0 scale byte
+    """2^(s-1) in both halves: decode_slot's multiplier for E8M0 scale byte
     s (exact for s <= 128)."""
     var m = (s + 126) << 7
     return bitcast[DType.bfloat16, 2](m | (m << 16))
 
 
+# The tiled layout's word repack (gptoss_max/mxfp4.py): inside each 16-byte
+# block (32 elements of one row, one scale), u32 word q holds the four pairs
+# (8c + 2q, 8c + 2q + 1), slot c = 0..3, each pair's two codes with their bits
+# where a bf16 pair wants them (signs at 15 / 31, magnitudes e1 e0 m at 8..6 /
+# 24..22), rotated left by 0, 6, 12 for slots 0-2 and split for slot 3 (bits 6
+# and 22 rotated by 10, the rest by 2). So a pair decodes with at most a
+# rotate and a mask (slot 3: two of each) and the scale multiply, and the
+# pair order is the natural one: pair (q, c) is activation pair word 4c + q.
+comptime PAIR_BITS: UInt32 = 0x81C081C0
+
+
 @always_inline
-def decode_pair(v: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
-    """Nibbles 3 and 7 of v (low, high half) as bf16 times `mult`: sign to
-    bit 15, e2m1 magnitude bits (e1 e0 m) to bf16 bits 8..6, which is the
-    value times 2^-126 (code 1 lands on the bf16 subnormal 2^-127); then
-    one multiply by 2^(s-1) (scale_mult) gives value * 2^(s-127) exactly
-    (s <= 128)."""
-    var bits = (v & 0x80008000) | ((v >> 6) & 0x01C001C0)
+def slot_bits[c: Int](w: UInt32) -> UInt32:
+    """Slot c's pair of a repacked word as bf16 pair bits (low half: element
+    8c + 2q, high half: + 1): the e2m1 values times 2^-126 (code 1 lands on
+    the bf16 subnormal 2^-127)."""
+    comptime if c == 0:
+        return w & PAIR_BITS
+    elif c == 1:
+        return rotate_bits_right[6](w) & PAIR_BITS
+    elif c == 2:
+        return rotate_bits_right[12](w) & PAIR_BITS
+    else:
+        return (rotate_bits_right[10](w) & 0x00400040) | (rotate_bits_right[2](w) & 0x81808180)
+
+
+@always_inline
+def scaled_pair(bits: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
+    """A bf16 pair word times mult (both halves)."""
     return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](bits) * mult)
+
+
+@always_inline
+def decode_slot[c: Int](w: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
+    """Slot c's pair of a repacked word times mult: with scale_mult(s), the
+    values times 2^(s-127), exactly (s <= 128)."""
+    return scaled_pair(slot_bits[c](w), mult)

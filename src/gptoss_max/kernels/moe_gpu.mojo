@@ -22,15 +22,17 @@
 #   B (k x n) = the routed tokens' activations, lane (g, q) serving token g
 #       of the pass (up to 8 per pass), loaded one block ahead from global
 #       memory (L1-resident: every warp of an SM reads the same rows) in the
-#       decode order of A: x is permuted in registers, and gate_up writes h
-#       already in that order as bf16 (hi, plus a lo remainder for float32
-#       graphs, which then take two mma).
+#       decode order of A: pair (word q, slot c) of a block is activation
+#       pair word 4c + q (the layout's word repack, moe_common.slot_bits),
+#       so the order is a transpose of register names, no permute; h is
+#       bf16 in natural order (hi, plus a lo remainder for float32 graphs,
+#       which then take two mma).
 #   The k order inside a block is irrelevant to a dot product, so the
 #   decode order is used as is and the activations follow it.
 #
 # On the GPU, h ([T, K, I] f32 in the graph) is opaque to everything but
-# the two kernels: row t*K + k holds I bf16 in decode order (moe_common.h_slot), then
-# I bf16 remainders when the graph is float32.
+# the two kernels: row t*K + k holds I bf16 in natural order, then I bf16
+# remainders when the graph is float32.
 #
 # down writes per-(t, k) partials; the last block to finish a row tile
 # (global counter, zeroed by gate_up of the same step, reset by that last
@@ -52,7 +54,7 @@
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
-from max.gpu.intrinsics import byte_permute, threadfence
+from max.gpu.intrinsics import threadfence
 from max.gpu.memory import AddressSpace, CacheEviction, async_copy, async_copy_commit_group, async_copy_wait_group, load
 from max.gpu.primitives.warp import shuffle_idx, shuffle_xor, vote
 from max.gpu.sync import syncwarp
@@ -62,7 +64,7 @@ from std.collections import Array
 from std.memory import bitcast, stack_allocation
 from std.utils.static_tuple import StaticTuple
 
-from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
+from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
 from .router_topk import warp_topk
 
@@ -164,10 +166,10 @@ def _route_warp(
 
 # How a lane gets its activation fragment (mma's B: one token, one 32-element
 # block, as 16 bf16 pair words in decode order):
-comptime A_BF16 = 0  # x bf16 in natural order: 4 x 16-byte loads + permute
+comptime A_BF16 = 0  # x bf16 in natural order: 4 x 16-byte loads
 comptime A_F32 = 1  # x f32 in natural order: 8 loads, split into hi + lo
-comptime A_WORDS = 2  # h as decode-ordered bf16 pair words (hi only)
-comptime A_WORDS_SPLIT = 3  # h as decode-ordered hi words, then lo words
+comptime A_WORDS = 2  # h as bf16 pair words (hi only)
+comptime A_WORDS_SPLIT = 3  # h as hi words, then lo words
 
 
 @always_inline
@@ -178,30 +180,32 @@ def _load_a[
     var lo = SIMD[DType.uint32, 16](0)
     comptime if mode == A_BF16:
         comptime for w in range(4):
-            # words (e0,e1) (e2,e3) (e4,e5) (e6,e7) of elements 32c + 8w ...
+            # pair words j of elements 32c + 8w ...: decode index 4j + w
             var v = arow.unsafe_load[width=4, alignment=16](c * 16 + w * 4)
-            hi[4 * w + 0] = byte_permute(v[1], v[3], 0x7632)  # (e3, e7)
-            hi[4 * w + 1] = byte_permute(v[1], v[3], 0x5410)  # (e2, e6)
-            hi[4 * w + 2] = byte_permute(v[0], v[2], 0x7632)  # (e1, e5)
-            hi[4 * w + 3] = byte_permute(v[0], v[2], 0x5410)  # (e0, e4)
+            comptime for j in range(4):
+                hi[4 * j + w] = v[j]
     elif mode == A_F32:
         comptime for w in range(4):
             var v0 = bitcast[DType.float32, 4](arow.unsafe_load[width=4, alignment=16](c * 32 + w * 8))
             var v1 = bitcast[DType.float32, 4](arow.unsafe_load[width=4, alignment=16](c * 32 + w * 8 + 4))
-            comptime for s in range(4):
-                var ab = SIMD[DType.float32, 2](v0[3 - s], v1[3 - s])
+            comptime for j in range(4):
+                var ab: SIMD[DType.float32, 2]
+                comptime if j < 2:
+                    ab = SIMD[DType.float32, 2](v0[2 * j], v0[2 * j + 1])
+                else:
+                    ab = SIMD[DType.float32, 2](v1[2 * j - 4], v1[2 * j - 3])
                 var h2 = ab.cast[DType.bfloat16]()
-                hi[4 * w + s] = bitcast[DType.uint32, 1](h2)
-                lo[4 * w + s] = bitcast[DType.uint32, 1]((ab - h2.cast[DType.float32]()).cast[DType.bfloat16]())
+                hi[4 * j + w] = bitcast[DType.uint32, 1](h2)
+                lo[4 * j + w] = bitcast[DType.uint32, 1]((ab - h2.cast[DType.float32]()).cast[DType.bfloat16]())
     else:
         comptime for v4 in range(4):
             var x4 = arow.unsafe_load[width=4, alignment=16](c * 16 + v4 * 4)
             comptime for z in range(4):
-                hi[4 * v4 + z] = x4[z]
+                hi[4 * z + v4] = x4[z]
             comptime if mode == A_WORDS_SPLIT:
                 var y4 = arow.unsafe_load[width=4, alignment=16](lo_off + c * 16 + v4 * 4)
                 comptime for z in range(4):
-                    lo[4 * v4 + z] = y4[z]
+                    lo[4 * z + v4] = y4[z]
     return (hi, lo)
 
 
@@ -209,28 +213,28 @@ def _load_a[
 def _decode_block[
     big: Bool
 ](w: SIMD[DType.uint32, 4], sc: UInt32) -> SIMD[DType.uint32, 16]:
-    """One 16-byte MXFP4 block as 16 bf16 pair words in decode order,
-    scaled by 2^(sc-127). big: some scale of the batch is above 128, so the
-    scale is two exact multiplies, 2^(min(s,128)-1) and 2^(max(s,128)-128)."""
+    """One 16-byte MXFP4 block as 16 bf16 pair words in decode order (index
+    4q + c: slot c of word q, elements 8c + 2q, + 1), scaled by 2^(sc-127).
+    big: some scale of the batch is above 128, so the scale is two exact
+    multiplies, 2^(min(s,128)-1) and 2^(max(s,128)-128)."""
     var pairs = SIMD[DType.uint32, 16](0)
     comptime for w4 in range(4):
         comptime for s4 in range(4):
-            pairs[4 * w4 + s4] = _decode_scaled[big](w[w4] << UInt32(4 * s4), sc)
+            pairs[4 * w4 + s4] = _decode_scaled[big, s4](w[w4], sc)
     return pairs
 
 
 @always_inline
-def _decode_scaled[big: Bool](v: UInt32, sc: UInt32) -> UInt32:
-    """decode_pair of v (nibbles 3 and 7) scaled by 2^(sc-127): one bf16
+def _decode_scaled[big: Bool, c: Int](w: UInt32, sc: UInt32) -> UInt32:
+    """decode_slot of slot c of word w scaled by 2^(sc-127): one bf16
     multiply, or with big (a scale above 128 somewhere) two exact ones,
     2^(min(s,128)-1) and 2^(max(s,128)-128)."""
     comptime if big:
         var m2u = (max(sc, 128) - 1) << 7
         var mult2 = bitcast[DType.bfloat16, 2](m2u | (m2u << 16))
-        var d = decode_pair(v, scale_mult(min(sc, 128)))
-        return bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
+        return scaled_pair(decode_slot[c](w, scale_mult(min(sc, 128))), mult2)
     else:
-        return decode_pair(v, scale_mult(sc))
+        return decode_slot[c](w, scale_mult(sc))
 
 
 @always_inline
@@ -569,7 +573,7 @@ def gate_up_kernel[
                 bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane
             )
         async_copy_commit_group()
-    # h rows as bf16: hi pair words (decode order), then lo (f32 graphs).
+    # h rows as bf16: hi pair words, then lo (f32 graphs).
     var hb = h.unsafe_bitcast[BFloat16]()
     var odd = (g & 1) != 0
     var big = False
@@ -606,7 +610,7 @@ def gate_up_kernel[
                         gate = gates[hh] + bias[unsafe_offset=e * rows + gr]
                         up = ups[hh] + bias[unsafe_offset=e * rows + gr + 1]
                     var v = gptoss_swiglu(gate, up)
-                    var at = pt * 2 * inter + h_slot(gr >> 1)
+                    var at = pt * 2 * inter + (gr >> 1)
                     var vb = v.cast[DType.bfloat16]()
                     hb[unsafe_offset=at] = vb
                     comptime if split:
@@ -669,10 +673,10 @@ def _lean_batch[
         comptime s0 = 2 * (t % 2)
         var a = bitcast[DType.bfloat16, 8](
             SIMD[DType.uint32, 4](
-                _decode_scaled[big](wv[i][w4] << UInt32(4 * s0), sv[i]),
-                _decode_scaled[big](wv[i + 1][w4] << UInt32(4 * s0), sv[i + 1]),
-                _decode_scaled[big](wv[i][w4] << UInt32(4 * s0 + 4), sv[i]),
-                _decode_scaled[big](wv[i + 1][w4] << UInt32(4 * s0 + 4), sv[i + 1]),
+                _decode_scaled[big, s0](wv[i][w4], sv[i]),
+                _decode_scaled[big, s0](wv[i + 1][w4], sv[i + 1]),
+                _decode_scaled[big, s0 + 1](wv[i][w4], sv[i]),
+                _decode_scaled[big, s0 + 1](wv[i + 1][w4], sv[i + 1]),
             )
         )
         var b = bitcast[DType.bfloat16, 4](xb.unsafe_load[width=2, alignment=8](2 * t))
@@ -824,7 +828,7 @@ def gate_up_lean_kernel[
             if gr + 1 < rows:
                 var gate = acc[2 * hh] + bw[gr - r0]
                 var up = (got0 if hh == 0 else got1) + bw[gr - r0 + 1]
-                hb[unsafe_offset=pt * 2 * inter + h_slot(gr >> 1)] = gptoss_swiglu(gate, up).cast[DType.bfloat16]()
+                hb[unsafe_offset=pt * 2 * inter + (gr >> 1)] = gptoss_swiglu(gate, up).cast[DType.bfloat16]()
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))

@@ -16,7 +16,7 @@
 # the rows it shares a tile with, and combine sums in k order.
 #
 # Buffers (the ops' h [T, K, I] f32 is opaque on the GPU):
-#   h bytes [0, 2 P I)       sorted h, bf16 [P, I], decode-ordered (moe_common.h_slot)
+#   h bytes [0, 2 P I)       sorted h, bf16 [P, I], natural order
 #   h int32 words from P I/2 (meta):
 #     [0, E]                 expert offsets into the sorted order
 #     [E + 1, 2E + 1]        tile starts (BM-row tiles) per expert
@@ -26,11 +26,12 @@
 #   partial [P, H] f32       (the down op's scratch), indexed by pair.
 #
 # Inner product (per 32-element MXFP4 block, two k16 mma): lane (g, q)
-# decodes bytes 4q..4q+3 of its weight row's 16-byte block (elements
-# 8q..8q+7) into four bf16 pair words (e3,e7) (e2,e6) (e1,e5) (e0,e4); the
-# k order inside a dot product is free, so A follows: gate_up permutes the
-# 16 bytes of x it loads (byte_permute), and writes h already permuted, so
-# down loads its A words as they are.
+# decodes word q of its weight row's 16-byte block (the layout's word repack:
+# slots c = 0..3 hold elements 8c + 2q, + 1) into four bf16 pair words; the
+# k order inside a dot product is free, so A follows: each lane reads the
+# activation pair words 4c + q (x for gate_up, h in natural order for down;
+# four 4-byte loads, 4-way bank conflicts: p1 runs only where K is not in
+# whole 64-element stages).
 #
 # Shared memory per stage, all filled by cp.async: A [BM][32] bf16 (64-byte
 # rows: a quarter warp's 16-byte loads cover two whole rows, no bank
@@ -64,7 +65,7 @@ from std.memory import bitcast, stack_allocation
 from std.sys import is_gpu
 from std.utils import StaticTuple
 
-from .moe_common import decode_pair, gptoss_swiglu, h_slot, scale_mult
+from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
 
 comptime ROUTE_THREADS = 1024
@@ -245,41 +246,21 @@ def prefill_choice(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: 
 
 @always_inline
 def decode_word(w: UInt32, s: UInt32) -> SIMD[DType.uint32, 4]:
-    """Elements 0..7 of a u32 of MXFP4 codes, scale byte s, as pair words
-    (e3,e7) (e2,e6) (e1,e5) (e0,e4). Two multiplies when s > 128."""
+    """The four pairs of a repacked MXFP4 word (slots 0..3: elements 8c + 2q,
+    + 1 of word q's block), scale byte s. Two multiplies when s > 128."""
     var out = SIMD[DType.uint32, 4](0)
     if s <= 128:
         var mult = scale_mult(s)
-        comptime for j in range(4):
-            out[j] = decode_pair(w << UInt32(4 * j), mult)
+        comptime for c in range(4):
+            out[c] = decode_slot[c](w, mult)
     else:
         var m1 = UInt32(253) << 7
         var m2 = s << 7
         var mult1 = bitcast[DType.bfloat16, 2](m1 | (m1 << 16))
         var mult2 = bitcast[DType.bfloat16, 2](m2 | (m2 << 16))
-        comptime for j in range(4):
-            var d = decode_pair(w << UInt32(4 * j), mult1)
-            out[j] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](d) * mult2)
+        comptime for c in range(4):
+            out[c] = scaled_pair(decode_slot[c](w, mult1), mult2)
     return out
-
-
-@always_inline
-def permute_x(v: SIMD[DType.uint32, 4]) -> SIMD[DType.uint32, 4]:
-    """8 bf16 in natural order (4 pair words) -> (e3,e7) (e2,e6) (e1,e5) (e0,e4)."""
-    comptime if is_gpu():
-        return SIMD[DType.uint32, 4](
-            byte_permute(v[1], v[3], 0x7632),
-            byte_permute(v[1], v[3], 0x5410),
-            byte_permute(v[0], v[2], 0x7632),
-            byte_permute(v[0], v[2], 0x5410),
-        )
-    else:  # the same on the host (tests)
-        return SIMD[DType.uint32, 4](
-            (v[1] >> 16) | (v[3] & 0xFFFF0000),
-            (v[1] & 0xFFFF) | (v[3] << 16),
-            (v[0] >> 16) | (v[2] & 0xFFFF0000),
-            (v[0] & 0xFFFF) | (v[2] << 16),
-        )
 
 
 @always_inline
@@ -535,17 +516,18 @@ def gemm_kernel[
             if not big_any:
                 var mult = scale_mult(sc[j])
                 comptime for s4 in range(4):
-                    bw[j][s4] = decode_pair(w << UInt32(4 * s4), mult)
+                    bw[j][s4] = decode_slot[s4](w, mult)
             else:
                 bw[j] = decode_word(w, sc[j])
-        # A: rows g and g + 8 of each m16 tile, words in decode order.
+        # A: rows g and g + 8 of each m16 tile, pair words 4c + q (c = 0..3),
+        # the pairs bw's slots c decode.
         comptime for i in range(MT):
             var r = wm0 + i * 16 + g
-            var lo4 = a32.unsafe_load[width=4, alignment=16](stage * BM * 16 + r * 16 + q * 4)
-            var hi4 = a32.unsafe_load[width=4, alignment=16](stage * BM * 16 + (r + 8) * 16 + q * 4)
-            comptime if not down:
-                lo4 = permute_x(lo4)
-                hi4 = permute_x(hi4)
+            var lo4 = SIMD[DType.uint32, 4](0)
+            var hi4 = SIMD[DType.uint32, 4](0)
+            comptime for c in range(4):
+                lo4[c] = a32[unsafe_offset=stage * BM * 16 + r * 16 + 4 * c + q]
+                hi4[c] = a32[unsafe_offset=stage * BM * 16 + (r + 8) * 16 + 4 * c + q]
             comptime for j in range(NT8):
                 comptime for s in range(2):
                     var a = bitcast[DType.bfloat16, 8](
@@ -577,7 +559,7 @@ def gemm_kernel[
                         var v = gptoss_swiglu(
                             c0 + bias[unsafe_offset=e * n_rows + n], c1 + bias[unsafe_offset=e * n_rows + n + 1]
                         )
-                        h_out[unsafe_offset=(row0 + r) * inter + h_slot(n >> 1)] = v.cast[DType.bfloat16]()
+                        h_out[unsafe_offset=(row0 + r) * inter + (n >> 1)] = v.cast[DType.bfloat16]()
 
 
 # ---------------------------------------------------------------- p2: wgmma
@@ -612,10 +594,10 @@ def gemm_kernel[
 # cols 8i + 2q, +1), (row g + 8, same cols) for each 8-column chunk i. M row
 # g of warp w is weight row 16w + 2g and M row g + 8 is 16w + 2g + 1: a
 # thread holds a gate row and its up row (gate_up: rows interleaved), so
-# SwiGLU and the down epilogue's f32 pair stores need no shuffle. K stays in
-# natural order (a_pair), so gate_up writes h unpermuted and down reads it
-# as is; c5.. and c0..c4 each keep their own h order (both ops of a step
-# take the same config).
+# SwiGLU and the down epilogue's f32 pair stores need no shuffle. Thread q's
+# A pairs of a k16 step are slots 2 s2, 2 s2 + 1 of word q of its rows'
+# 32-k block (the layout's word repack), i.e. K in natural order, so gate_up
+# writes h unpermuted and down reads it as is.
 
 comptime P2_BK = 64
 
@@ -695,24 +677,9 @@ def prmt(a: UInt32, b: UInt32, sel: UInt32) -> UInt32:
 
 
 @always_inline
-def a_pair_sel(q: Int) -> UInt32:
-    """prmt selector for a_pair: byte q of (w << 4) to byte 1, byte q of w to byte 3."""
-    return UInt32(((4 + q) << 12) | (q << 4))
-
-
-@always_inline
-def a_pair(w: UInt32, sel: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
-    """Byte q of w (codes of k = 2j in its low nibble, 2j + 1 in its high) as
-    the bf16 pair (k = 2j low half, 2j + 1 high half) times mult: prmt puts
-    the low nibble at bits 12-15 and the high one at bits 28-31, where
-    decode_pair reads them."""
-    return decode_pair(prmt(w << 4, w, sel), mult)
-
-
-@always_inline
 def p2_mults(s: UInt32) -> SIMD[DType.uint32, 2]:
     """(first, second) bf16x2 multipliers for E8M0 scale byte s: 2^(s-1) and
-    none when s <= 128 (decode_pair's 2^-126 times 2^(s-1)); else 2^126 then
+    none when s <= 128 (slot_bits' 2^-126 times 2^(s-1)); else 2^126 then
     2^(s-127)."""
     if s <= 128:
         var m = (s + 126) << 7
@@ -723,23 +690,26 @@ def p2_mults(s: UInt32) -> SIMD[DType.uint32, 2]:
 
 @always_inline
 def p2_frag[
-    big: Bool
-](
-    w0a: UInt32, w1a: UInt32, w0b: UInt32, w1b: UInt32, sel: UInt32, m0: SIMD[DType.uint32, 2], m1: SIMD[DType.uint32, 2]
-) -> SIMD[DType.bfloat16, 8]:
-    """A fragment of one k16 step: (R0, k 2q..) from w0a, (R1, k 2q..) from
-    w1a, (R0, k 2q+8..) from w0b, (R1, k 2q+8..) from w1b; m0 / m1 the
-    multipliers of rows R0 / R1 for this step's 32-k block."""
+    big: Bool, s2: Int
+](wa: UInt32, wb: UInt32, m0: SIMD[DType.uint32, 2], m1: SIMD[DType.uint32, 2]) -> SIMD[DType.bfloat16, 8]:
+    """A fragment of k16 step s2 (0, 1) of a 32-k block: slots 2 s2 (k 2q,
+    2q + 1) and 2 s2 + 1 (k 2q + 8, 2q + 9) of word q of rows R0 (wa) and R1
+    (wb); m0 / m1 the multipliers of rows R0 / R1 for the block."""
     var f0 = bitcast[DType.bfloat16, 2](m0[0])
     var f1 = bitcast[DType.bfloat16, 2](m1[0])
-    var p = SIMD[DType.uint32, 4](a_pair(w0a, sel, f0), a_pair(w1a, sel, f1), a_pair(w0b, sel, f0), a_pair(w1b, sel, f1))
+    var p = SIMD[DType.uint32, 4](
+        decode_slot[2 * s2](wa, f0),
+        decode_slot[2 * s2](wb, f1),
+        decode_slot[2 * s2 + 1](wa, f0),
+        decode_slot[2 * s2 + 1](wb, f1),
+    )
     comptime if big:
         var g0 = bitcast[DType.bfloat16, 2](m0[1])
         var g1 = bitcast[DType.bfloat16, 2](m1[1])
-        p[0] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[0]) * g0)
-        p[1] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[1]) * g1)
-        p[2] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[2]) * g0)
-        p[3] = bitcast[DType.uint32, 1](bitcast[DType.bfloat16, 2](p[3]) * g1)
+        p[0] = scaled_pair(p[0], g0)
+        p[1] = scaled_pair(p[1], g1)
+        p[2] = scaled_pair(p[2], g0)
+        p[3] = scaled_pair(p[3], g1)
     return bitcast[DType.bfloat16, 8](p)
 
 
@@ -810,17 +780,6 @@ def p2_row0(tid: Int) -> Int:
     tid >> 7, warp (tid >> 5) & 3 in it, g = lane >> 2; its M rows g, g + 8
     are tile rows p2_row0, p2_row0 + 1."""
     return 64 * (tid >> 7) + 16 * ((tid >> 5) & 3) + 2 * ((tid & 31) >> 2)
-
-
-@always_inline
-def p2_step_frag[
-    big: Bool
-](
-    v0: SIMD[DType.uint32, 4], v1: SIMD[DType.uint32, 4], s2: Int, sel: UInt32, m0: SIMD[DType.uint32, 2], m1: SIMD[DType.uint32, 2]
-) -> SIMD[DType.bfloat16, 8]:
-    """A fragment of k16 step s2 (0, 1) of a 32-k block from the block's 16
-    code bytes of rows R0 (v0) and R1 (v1)."""
-    return p2_frag[big](v0[2 * s2], v1[2 * s2], v0[2 * s2 + 1], v1[2 * s2 + 1], sel, m0, m1)
 
 
 @always_inline
@@ -897,7 +856,7 @@ def p2_group_has_big_scale(
 
 @always_inline
 def p2_mult(win: UInt32, j: Int) -> UInt32:
-    """bf16x2 multiplier 2^(s-1) (decode_pair's scale) for scale byte j of the
+    """bf16x2 multiplier 2^(s-1) (decode_slot's scale) for scale byte j of the
     window, s <= 128: (s + 126) << 7 in both halves, one prmt (the byte,
     zero-extended) and one multiply-add."""
     return prmt(win, 0, UInt32(0x4440 | j)) * 0x00800080 + 0x3F003F00
@@ -929,7 +888,7 @@ def _p2_loop[
     s_off: Int,
     tid: Int,
     r0: Int,
-    sel: UInt32,
+    q: Int,
     wg_active: Bool,
     nkb: Int,
 ):
@@ -963,10 +922,10 @@ def _p2_loop[
             comptime for blk in range(2):
                 var m0 = p2_row_mults[BIG](win, blk)
                 var m1 = p2_row_mults[BIG](win, 2 + blk)
-                var v0 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + blk) * 4)
-                var v1 = pk.unsafe_load[width=4, alignment=16](packed_unit(2 * r0 + 2 + blk) * 4)
+                var wa = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
+                var wb = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
                 comptime for s2 in range(2):
-                    var frag = p2_step_frag[BIG](v0, v1, s2, sel, m0, m1)
+                    var frag = p2_frag[BIG, s2](wa, wb, m0, m1)
                     wgmma_fence_aligned()
                     # + 32 bytes per k16 step: + 2 in the start-address field (no carry:
                     # shared addresses are below 2^18, the field holds addr >> 4 in 14 bits)
@@ -1042,7 +1001,6 @@ def _p2_tile[
     var q = tid & 3
     var r0 = p2_row0(tid)
     var wg_active = n0 + 64 * (tid >> 7) < n_rows
-    var sel = a_pair_sel(q)
     var acc = SIMD[DType.float32, NT // 2](0)
     var acc2 = SIMD[DType.float32, p2_acc2_width(NT2)](0)
 
@@ -1056,11 +1014,11 @@ def _p2_tile[
         big = p2_group_has_big_scale(scales, e, n_rows, n0 + (r0 & ~15), k_dim)
     if big:
         _p2_loop[BM, NT, NT2, NWG, STAGES, CPT, True](
-            smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
+            smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb
         )
     else:
         _p2_loop[BM, NT, NT2, NWG, STAGES, CPT, False](
-            smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, sel, wg_active, nkb
+            smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb
         )
 
     # Epilogue: D^T element (M row g | g + 8, token 8i + 2q + b) =

@@ -48,31 +48,22 @@ def mxfp4_element(
 
 
 @always_inline
-def mxfp4_row_dot[
+def mxfp4_block_dot[
     dtype: DType
-](
-    blocks: Pointer[UInt8, _],
-    scales: Pointer[UInt8, _],
-    x: Pointer[Scalar[dtype], _],
-    n: Int,
-) -> Float32:
-    """Dot product of one MXFP4 row (`blocks` [n/2], `scales` [n/32]) with
-    `x` [n], decoding on the fly, accumulated in f32."""
+](codes: SIMD[DType.uint8, MXFP4_BLOCK_BYTES], scale: UInt8, x: Pointer[Scalar[dtype], _],) -> Float32:
+    """Dot product of one MXFP4 block (its 16 code bytes in the checkpoint's
+    order, its scale byte) with `x` [32], in f32."""
     var acc: Float32 = 0
-    for b in range(n // MXFP4_BLOCK):
-        var s = scales[unsafe_offset=b]
-        var base = b * MXFP4_BLOCK
-        for j in range(MXFP4_BLOCK_BYTES):
-            var byte = blocks[unsafe_offset=b * MXFP4_BLOCK_BYTES + j]
-            var x0 = x[unsafe_offset=base + 2 * j].cast[DType.float32]()
-            var x1 = x[unsafe_offset=base + 2 * j + 1].cast[DType.float32]()
-            acc += mxfp4_value(byte & 0x0F, s) * x0
-            acc += mxfp4_value(byte >> 4, s) * x1
+    for j in range(MXFP4_BLOCK_BYTES):
+        var byte = codes[j]
+        acc += mxfp4_value(byte & 0x0F, scale) * x[unsafe_offset=2 * j].cast[DType.float32]()
+        acc += mxfp4_value(byte >> 4, scale) * x[unsafe_offset=2 * j + 1].cast[DType.float32]()
     return acc
 
 
 # The MoE op's tiled expert layout (gptoss_max.mxfp4.tile_for_op): per expert,
-# [rows/16][nb/2][16 rows][2 blocks x 16 bytes], scales [rows/16][nb/2][16 rows][2].
+# [rows/16][nb/2][16 rows][2 blocks x 16 bytes], scales [rows/16][nb/2][16 rows][2];
+# inside each block the bits are word-repacked (repacked_bit, moe_common.slot_bits).
 comptime TILE_ROWS = 16
 
 
@@ -89,6 +80,38 @@ def tiled_scale_offset(r: Int, c: Int, nb: Int) -> Int:
 
 
 @always_inline
+def repacked_bit(c: Int, b: Int, i: Int) -> Int:
+    """Bit position, in word q of a tiled block, of code bit i (0: m, 1: e0,
+    2: e1, 3: sign) of element 8c + 2q + b (gptoss_max/mxfp4.py's word
+    repack): the bf16 pair position (6, 7, 8, 15) + 16 b, rotated left by 6c
+    for slots 0-2; slot 3 rotates bit 0 by 10 and the others by 2."""
+    var base = (6 + i if i < 3 else 15) + 16 * b
+    var rot = 6 * c if c < 3 else (10 if i == 0 else 2)
+    return (base + rot) & 31
+
+
+@always_inline
+def unpack_tiled_block(blocks: Pointer[UInt8, _]) -> SIMD[DType.uint8, 16]:
+    """The 16 bytes of one tiled (word-repacked) block in the checkpoint's
+    order: byte j holds element 2j (low nibble) and 2j + 1 (high)."""
+    var out = SIMD[DType.uint8, 16](0)
+    for q in range(4):
+        var w = (
+            UInt32(blocks[unsafe_offset=4 * q])
+            | (UInt32(blocks[unsafe_offset=4 * q + 1]) << 8)
+            | (UInt32(blocks[unsafe_offset=4 * q + 2]) << 16)
+            | (UInt32(blocks[unsafe_offset=4 * q + 3]) << 24)
+        )
+        for c in range(4):
+            var byte: UInt32 = 0
+            for b in range(2):
+                for i in range(4):
+                    byte |= ((w >> UInt32(repacked_bit(c, b, i))) & 1) << UInt32(4 * b + i)
+            out[4 * c + q] = UInt8(byte)
+    return out
+
+
+@always_inline
 def mxfp4_tiled_row_dot[
     dtype: DType
 ](
@@ -98,15 +121,15 @@ def mxfp4_tiled_row_dot[
     x: Pointer[Scalar[dtype], _],
     n: Int,
 ) -> Float32:
-    """mxfp4_row_dot of row r of one expert in the tiled layout (`blocks`,
-    `scales`: the expert's first byte; n elements per row)."""
+    """Dot product of row r of one expert in the tiled layout (`blocks`,
+    `scales`: the expert's first byte; n elements per row; each block's bits
+    word-repacked)."""
     var nb = n // MXFP4_BLOCK
     var acc: Float32 = 0
     for c in range(nb):
-        acc += mxfp4_row_dot(
-            blocks.unsafe_offset(tiled_block_offset(r, c, nb)),
-            scales.unsafe_offset(tiled_scale_offset(r, c, nb)),
+        acc += mxfp4_block_dot(
+            unpack_tiled_block(blocks.unsafe_offset(tiled_block_offset(r, c, nb))),
+            scales[unsafe_offset=tiled_scale_offset(r, c, nb)],
             x.unsafe_offset(c * MXFP4_BLOCK),
-            MXFP4_BLOCK,
         )
     return acc
