@@ -34,7 +34,7 @@ def lcg(mut s: UInt64) -> UInt32:
 
 def main() raises:
     print("const", N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS)
-    for t in [1, 2, 8, 16, 31, 32, 64, 128, 512, 2048, 16384]:
+    for t in [1, 2, 8, 16, 31, 32, 64, 80, 96, 128, 512, 2048, 16384]:
         for e in [8, 32, 128, 300]:
             for path in [0, 1, 2, 6, 7, 10, 11]:
                 var c: Int
@@ -165,6 +165,9 @@ def test_path_choice(lines) -> None:
     k96, mid, low, high, *band = map(int, _rows(lines, "choice_auto")[0])
     # 120b T = 8192 / 16384 (256 / 512 pairs per expert): c10; T = 512 (16): c7
     assert (k96, mid, low, high) == (4, 10, 7, 10)
+    # the measured crossover (bench/NOTES.md p8): 120b T = 64 (2 pairs per expert) decode, T = 96 (3) prefill
+    choice = {(int(t), int(e), int(p)): int(c) for t, e, p, c in _rows(lines, "choice")}
+    assert choice[(64, 128, 0)] == -1 and choice[(96, 128, 0)] >= 0
     # 120b (128 experts) 112 -> c5, 120, 144, 160 -> c10, 161 -> c5; 20b (32 experts) at 128 -> c9;
     # 120b 239 -> c5, 240 -> c10
     assert band == [5, 10, 10, 10, 5, 9, 5, 10]

@@ -73,9 +73,10 @@ comptime ROUTE_BATCH = 8  # id loads a route thread has in flight
 comptime PREFILL_MAX_EXPERTS = 256
 # Prefill takes over from the decode kernel at this many routed pairs per
 # expert (T * K / E) and this many pairs in all; measured by bench/moe.py
-# --prefill on an H100 (bench/NOTES.md): 120b (E=128) wins from 4 pairs per
-# expert (512 pairs), 20b (E=32) loses at 4 (128 pairs), wins from 8 (256).
-comptime PREFILL_MIN_PAIRS_PER_EXPERT = 4
+# --prefill on an H100 (bench/NOTES.md): 120b (E=128) loses at 2 pairs per
+# expert (256 pairs), wins from 3 (384; since the word repack, p8), 20b
+# (E=32) loses at 6 (192 pairs), wins from 8 (256).
+comptime PREFILL_MIN_PAIRS_PER_EXPERT = 3
 comptime PREFILL_MIN_PAIRS = 256
 
 # Tile configurations (compile-time). c0..c4 (p1, mma.sync): BM token rows
