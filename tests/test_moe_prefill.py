@@ -90,7 +90,13 @@ def main() raises:
         for j in range(16):
             dot += pair_dot(pairs[j], xb[j])
             fdot += pair_dot(pairs[j], xs[0][j]) + pair_dot(pairs[j], xs[1][j])
-        print("bdot", wv[0], wv[1], wv[2], wv[3], sc, dot, fdot)
+        # p1 (gemm_kernel): lane q decodes word q and reads activation pair words 4c + q
+        var p1dot: Float32 = 0
+        for q in range(4):
+            var d = decode_word(wv[q], sc)
+            for c in range(4):
+                p1dot += pair_dot(d[c], x[4 * c + q])
+        print("bdot", wv[0], wv[1], wv[2], wv[3], sc, dot, fdot, p1dot)
         var line = String("x")
         for j in range(16):
             line += " " + String(x[j])
@@ -253,15 +259,17 @@ def test_word_decode_gives_each_slot_its_elements(lines) -> None:
 
 def test_decode_kernel_activation_order_matches_its_pairs(lines) -> None:
     """A block decoded by the decode kernel and x loaded by its _load_a (bf16, and f32 split
-    into hi + lo) give the plain dot product: the k orders agree."""
+    into hi + lo) give the plain dot product: the k orders agree; so do p1's lanes (word q
+    against activation words 4c + q)."""
     bdots, xs, xfs = _rows(lines, "bdot"), _rows(lines, "x"), _rows(lines, "xf")
     assert len(bdots) == len(xs) == len(xfs) == 300
-    for (*ws, sc, dot, fdot), xw, xf in zip(bdots, xs, xfs, strict=True):
+    for (*ws, sc, dot, fdot, p1dot), xw, xf in zip(bdots, xs, xfs, strict=True):
         wv = _block_values(ws, sc)
         xv = _bf16(np.array([int(v) for v in xw], dtype=np.uint64))
         want = float(np.dot(xv, wv))
         tol = 1e-6 * np.abs(xv * wv).sum()
         assert math.isclose(float(dot), want, rel_tol=1e-5, abs_tol=tol), (ws, sc)
+        assert math.isclose(float(p1dot), want, rel_tol=1e-5, abs_tol=tol), (ws, sc)  # p1's lanes
         xfv = np.array([float(v) for v in xf])
         want_f = float(np.dot(xfv, wv))
         # hi + lo carries x to ~2^-16 relative
