@@ -218,26 +218,11 @@ def _bf16(words: np.ndarray) -> np.ndarray:
     return halves.view(np.float32).astype(np.float64).reshape(-1)
 
 
-def _natural_block(words) -> np.ndarray:
-    """A tiled block's 4 repacked u32 words -> its 16 code bytes in the checkpoint's order,
-    by the layout's rule restated (gptoss_max/mxfp4.py): code bit i of element 8c + 2q + b sits
-    in word q at (6, 7, 8, 15)[i] + 16 b, rotated left by 6c for c < 3; slot 3 rotates bit 0
-    by 10 and the others by 2."""
-    out = np.zeros(16, dtype=np.uint8)
-    for q, w in enumerate(int(v) for v in words):
-        for c in range(4):
-            for b in range(2):
-                code = 0
-                for i in range(4):
-                    base = (6 + i if i < 3 else 15) + 16 * b
-                    rot = 6 * c if c < 3 else (10 if i == 0 else 2)
-                    code |= ((w >> ((base + rot) % 32)) & 1) << i
-                out[4 * c + q] |= code << (4 * b)
-    return out
-
-
 def _block_values(words, sc) -> np.ndarray:
-    blk = _natural_block(words).reshape(1, 1, 16)
+    """A tiled block's 4 repacked u32 words and its scale -> its 32 values (the word repack undone
+    by gptoss_max.mxfp4, which test_mxfp4_tiled.py checks against a restatement of the layout)."""
+    blk = mxfp4.repack_words(np.array([int(v) for v in words], dtype="<u4").view(np.uint8), inverse=True)
+    blk = blk.reshape(1, 1, 16)
     return mxfp4.decode(blk, np.array([[int(sc)]], dtype=np.uint8)).reshape(-1).astype(np.float64)
 
 

@@ -3,8 +3,9 @@
 # words (moe_gpu.mojo and moe_prefill_gpu.mojo alike).
 
 from std.math import exp
-from std.bit import rotate_bits_right
 from std.memory import bitcast
+
+from .mxfp4 import slot_bits
 
 comptime SWIGLU_LIMIT: Float32 = 7.0
 comptime SWIGLU_ALPHA: Float32 = 1.702
@@ -43,32 +44,6 @@ def scale_mult(s: UInt32) -> SIMD[DType.bfloat16, 2]:
     s (exact for s <= 128)."""
     var m = (s + 126) << 7
     return bitcast[DType.bfloat16, 2](m | (m << 16))
-
-
-# The tiled layout's word repack (gptoss_max/mxfp4.py): inside each 16-byte
-# block (32 elements of one row, one scale), u32 word q holds the four pairs
-# (8c + 2q, 8c + 2q + 1), slot c = 0..3, each pair's two codes with their bits
-# where a bf16 pair wants them (signs at 15 / 31, magnitudes e1 e0 m at 8..6 /
-# 24..22), rotated left by 0, 6, 12 for slots 0-2 and split for slot 3 (bits 6
-# and 22 rotated by 10, the rest by 2). So a pair decodes with at most a
-# rotate and a mask (slot 3: two of each) and the scale multiply, and the
-# pair order is the natural one: pair (q, c) is activation pair word 4c + q.
-comptime PAIR_BITS: UInt32 = 0x81C081C0
-
-
-@always_inline
-def slot_bits[c: Int](w: UInt32) -> UInt32:
-    """Slot c's pair of a repacked word as bf16 pair bits (low half: element
-    8c + 2q, high half: + 1): the e2m1 values times 2^-126 (code 1 lands on
-    the bf16 subnormal 2^-127)."""
-    comptime if c == 0:
-        return w & PAIR_BITS
-    elif c == 1:
-        return rotate_bits_right[6](w) & PAIR_BITS
-    elif c == 2:
-        return rotate_bits_right[12](w) & PAIR_BITS
-    else:
-        return (rotate_bits_right[10](w) & 0x00400040) | (rotate_bits_right[2](w) & 0x81808180)
 
 
 @always_inline

@@ -23,7 +23,7 @@
 #       of the pass (up to 8 per pass), loaded one block ahead from global
 #       memory (L1-resident: every warp of an SM reads the same rows) in the
 #       decode order of A: pair (word q, slot c) of a block is activation
-#       pair word 4c + q (the layout's word repack, moe_common.slot_bits),
+#       pair word 4c + q (the layout's word repack, mxfp4.slot_bits),
 #       so the order is a transpose of register names, no permute; h is
 #       bf16 in natural order (hi, plus a lo remainder for float32 graphs,
 #       which then take two mma).

@@ -250,17 +250,14 @@ def decode_word(w: UInt32, s: UInt32) -> SIMD[DType.uint32, 4]:
     """The four pairs of a repacked MXFP4 word (slots 0..3: elements 8c + 2q,
     + 1 of word q's block), scale byte s. Two multiplies when s > 128."""
     var out = SIMD[DType.uint32, 4](0)
-    if s <= 128:
-        var mult = scale_mult(s)
+    var m = p2_mults(s)
+    var mult1 = bitcast[DType.bfloat16, 2](m[0])
+    comptime for c in range(4):
+        out[c] = decode_slot[c](w, mult1)
+    if s > 128:
+        var mult2 = bitcast[DType.bfloat16, 2](m[1])
         comptime for c in range(4):
-            out[c] = decode_slot[c](w, mult)
-    else:
-        var m1 = UInt32(253) << 7
-        var m2 = s << 7
-        var mult1 = bitcast[DType.bfloat16, 2](m1 | (m1 << 16))
-        var mult2 = bitcast[DType.bfloat16, 2](m2 | (m2 << 16))
-        comptime for c in range(4):
-            out[c] = scaled_pair(decode_slot[c](w, mult1), mult2)
+            out[c] = scaled_pair(out[c], mult2)
     return out
 
 

@@ -2,6 +2,7 @@
 # Byte j of a 16-byte block holds element 2j in its low nibble and element
 # 2j+1 in its high nibble; scale byte s means 2^(s - 127).
 
+from std.bit import rotate_bits_right
 from std.memory import bitcast
 
 comptime MXFP4_BLOCK = 32
@@ -50,7 +51,7 @@ def mxfp4_element(
 @always_inline
 def mxfp4_block_dot[
     dtype: DType
-](codes: SIMD[DType.uint8, MXFP4_BLOCK_BYTES], scale: UInt8, x: Pointer[Scalar[dtype], _],) -> Float32:
+](codes: SIMD[DType.uint8, MXFP4_BLOCK_BYTES], scale: UInt8, x: Pointer[Scalar[dtype], _]) -> Float32:
     """Dot product of one MXFP4 block (its 16 code bytes in the checkpoint's
     order, its scale byte) with `x` [32], in f32."""
     var acc: Float32 = 0
@@ -63,7 +64,7 @@ def mxfp4_block_dot[
 
 # The MoE op's tiled expert layout (gptoss_max.mxfp4.tile_for_op): per expert,
 # [rows/16][nb/2][16 rows][2 blocks x 16 bytes], scales [rows/16][nb/2][16 rows][2];
-# inside each block the bits are word-repacked (repacked_bit, moe_common.slot_bits).
+# inside each block the bits are word-repacked (slot_bits below).
 comptime TILE_ROWS = 16
 
 
@@ -79,21 +80,44 @@ def tiled_scale_offset(r: Int, c: Int, nb: Int) -> Int:
     return (r >> 4) * (nb * 16) + (c >> 1) * 32 + (r & 15) * 2 + (c & 1)
 
 
+# The tiled layout's word repack (gptoss_max/mxfp4.py): inside each 16-byte
+# block (32 elements of one row, one scale), u32 word q holds the four pairs
+# (8c + 2q, 8c + 2q + 1), slot c = 0..3, each pair's two codes with their bits
+# where a bf16 pair wants them (signs at 15 / 31, magnitudes e1 e0 m at 8..6 /
+# 24..22), rotated left by 0, 6, 12 for slots 0-2 and split for slot 3 (bits 6
+# and 22 rotated by 10, the rest by 2). So a pair decodes with at most a
+# rotate and a mask (slot 3: two of each) and the scale multiply, and the
+# pair order is the natural one: pair (q, c) is activation pair word 4c + q.
+comptime PAIR_BITS: UInt32 = 0x81C081C0
+
+
 @always_inline
-def repacked_bit(c: Int, b: Int, i: Int) -> Int:
-    """Bit position, in word q of a tiled block, of code bit i (0: m, 1: e0,
-    2: e1, 3: sign) of element 8c + 2q + b (gptoss_max/mxfp4.py's word
-    repack): the bf16 pair position (6, 7, 8, 15) + 16 b, rotated left by 6c
-    for slots 0-2; slot 3 rotates bit 0 by 10 and the others by 2."""
-    var base = (6 + i if i < 3 else 15) + 16 * b
-    var rot = 6 * c if c < 3 else (10 if i == 0 else 2)
-    return (base + rot) & 31
+def slot_bits[c: Int](w: UInt32) -> UInt32:
+    """Slot c's pair of a repacked word as bf16 pair bits (low half: element
+    8c + 2q, high half: + 1): the e2m1 values times 2^-126 (code 1 lands on
+    the bf16 subnormal 2^-127)."""
+    comptime if c == 0:
+        return w & PAIR_BITS
+    elif c == 1:
+        return rotate_bits_right[6](w) & PAIR_BITS
+    elif c == 2:
+        return rotate_bits_right[12](w) & PAIR_BITS
+    else:
+        return (rotate_bits_right[10](w) & 0x00400040) | (rotate_bits_right[2](w) & 0x81808180)
+
+
+@always_inline
+def slot_byte(p: UInt32) -> UInt32:
+    """slot_bits' bf16 pair bits -> the pair's checkpoint byte (low nibble:
+    the low half's code, high nibble: the high half's)."""
+    return ((p >> 6) & 0x07) | ((p >> 12) & 0x08) | ((p >> 18) & 0x70) | ((p >> 24) & 0x80)
 
 
 @always_inline
 def unpack_tiled_block(blocks: Pointer[UInt8, _]) -> SIMD[DType.uint8, 16]:
     """The 16 bytes of one tiled (word-repacked) block in the checkpoint's
-    order: byte j holds element 2j (low nibble) and 2j + 1 (high)."""
+    order (byte j holds element 2j in its low nibble, 2j + 1 in its high),
+    by the kernels' own slot decode: slot c of word q is byte 4c + q."""
     var out = SIMD[DType.uint8, 16](0)
     for q in range(4):
         var w = (
@@ -102,12 +126,8 @@ def unpack_tiled_block(blocks: Pointer[UInt8, _]) -> SIMD[DType.uint8, 16]:
             | (UInt32(blocks[unsafe_offset=4 * q + 2]) << 16)
             | (UInt32(blocks[unsafe_offset=4 * q + 3]) << 24)
         )
-        for c in range(4):
-            var byte: UInt32 = 0
-            for b in range(2):
-                for i in range(4):
-                    byte |= ((w >> UInt32(repacked_bit(c, b, i))) & 1) << UInt32(4 * b + i)
-            out[4 * c + q] = UInt8(byte)
+        comptime for c in range(4):
+            out[4 * c + q] = UInt8(slot_byte(slot_bits[c](w)))
     return out
 
 
