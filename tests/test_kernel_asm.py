@@ -81,6 +81,23 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         assert f"_gpu_shared_mem[{warps * 8 * 64 * 4}]" in tc
 
 
+def test_ptx_of_the_prefill_wgmma_loops(asm, tmp_path):
+    """The p2 stage loop runs unrolled by its 4 stages where it does not spill (c5's 128-token
+    kernel) and as one body elsewhere (c9's 160-token kernel with its two-part tile)."""
+    specs = [
+        "moe_prefill_gpu.p2_gemm_kernel[False, 128, 2, 4, 2]",
+        "moe_prefill_gpu.p2_gemm_kernel[False, 160, 2, 4, 2]",
+    ]
+    c5, c9 = asm.build_ptx(specs, tmp_path).values()
+    for k in (c5, c9):
+        assert ".target sm_90a" in k and ".minnctapersm 2" in k and "cp.async.ca.shared.global" in k
+    # wgmma k16 steps: 3 token-tile variants x 2 scale paths x 4 steps per stage body; c5 has 4
+    # unrolled bodies + 3 for the stages past the last multiple of 4, c9 one body, and its
+    # two-part tile (2 scale paths x 4 steps x 2 wgmma) on top
+    assert c5.count("wgmma.mma_async") == 3 * 2 * 4 * (4 + 3)
+    assert c9.count("wgmma.mma_async") == 3 * 2 * 4 + 2 * 4 * 2
+
+
 def test_opcode_counts_read_predicated_sass(asm):
     sass = """
         /*0010*/                   HMMA.16816.F32.BF16 R44, R44, R48, R52 ;

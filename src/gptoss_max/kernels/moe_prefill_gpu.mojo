@@ -872,6 +872,77 @@ def p2_row_mults[BIG: Bool](win: UInt32, j: Int) -> SIMD[DType.uint32, 2]:
 
 
 @always_inline
+def _p2_stage[
+    BM: Int, NT: Int, NT2: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool, J: Int
+](
+    smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    mut acc: SIMD[DType.float32, NT // 2],
+    mut acc2: SIMD[DType.float32, p2_acc2_width(NT2)],
+    a_src: Pointer[BFloat16, ImmutAnyOrigin],
+    x_off: Array[Int, CPT],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    b_off: Int,
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    s_off: Int,
+    tid: Int,
+    r0: Int,
+    q: Int,
+    wg_active: Bool,
+    nkb: Int,
+    kb: Int,
+):
+    """Stage kb of the tile's k loop, kept in shared-memory stage kb mod
+    STAGES: J when J >= 0 (compile-time, so every shared address of the stage
+    is a constant offset), else computed at run time. Wait for its copies, issue the copies STAGES - 2 stages ahead,
+    decode the A fragments of rows r0, r0 + 1 and run four wgmma k16 steps
+    (one group each, at most two in flight); with NT2 > 0 each step also
+    multiplies the same A fragment by token rows NT..NT + NT2 - 1 into acc2,
+    in the same group. BIG: the warp's rows have a scale above 128 somewhere
+    (two multiplies per pair). Rows r0 (even) and r0 + 1 share one aligned
+    scale window: bytes 0, 1 are r0's blocks 0, 1 and bytes 2, 3 are r0 + 1's."""
+    comptime BN = 64 * NWG
+    comptime THREADS = 128 * NWG
+    comptime STAGE = p2_stage_bytes(BM, BN)
+    async_copy_wait_group(Int32(STAGES - 3))
+    fence_async_view_proxy()
+    barrier()
+    var nxt = kb + STAGES - 2
+    if nxt < nkb:
+        var ahead = nxt % STAGES
+        comptime if J >= 0:
+            ahead = (J + STAGES - 2) % STAGES
+        _p2_issue[BM, NT + NT2, BN, THREADS, CPT](smem, a_src, x_off, blocks, b_off, scales, s_off, tid, ahead, nxt)
+    async_copy_commit_group()
+    if wg_active:
+        var st = (kb % STAGES) * STAGE
+        comptime if J >= 0:
+            st = J * STAGE
+        var win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
+        var desc0 = wgmma_desc_sw128(Int(smem) + st)
+        var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
+        comptime for blk in range(2):
+            var m0 = p2_row_mults[BIG](win, blk)
+            var m1 = p2_row_mults[BIG](win, 2 + blk)
+            var wa = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
+            var wb = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
+            comptime for s2 in range(2):
+                var frag = p2_frag[BIG, s2](wa, wb, m0, m1)
+                wgmma_fence_aligned()
+                # + 32 bytes per k16 step: + 2 in the start-address field (no carry:
+                # shared addresses are below 2^18, the field holds addr >> 4 in 14 bits)
+                var desc = desc0 + Int64(2 * (2 * blk + s2))
+                acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
+                    frag, WGMMADescriptor[DType.bfloat16](desc), acc
+                )
+                comptime if NT2 > 0:
+                    acc2 = wgmma_async[64, NT2, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
+                        frag, WGMMADescriptor[DType.bfloat16](p2_part_desc(desc, NT)), acc2
+                    )
+                wgmma_commit_group_sync()
+                wgmma_wait_group_sync[1]()
+
+
+@always_inline
 def _p2_loop[
     BM: Int, NT: Int, NT2: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool
 ](
@@ -890,53 +961,33 @@ def _p2_loop[
     wg_active: Bool,
     nkb: Int,
 ):
-    """The tile's k loop: per 64-k stage, wait for its copies, issue the copies
-    STAGES - 2 stages ahead, decode the A fragments of rows r0, r0 + 1 and run
-    four wgmma k16 steps (one group each, at most two in flight); with NT2 >
-    0 each step also multiplies the same A fragment by token rows NT..NT +
-    NT2 - 1 into acc2, in the same group. BIG: the
-    warp's rows have a scale above 128 somewhere (two multiplies per pair).
-    Rows r0 (even) and r0 + 1 share one aligned scale window: bytes 0, 1 are
-    r0's blocks 0, 1 and bytes 2, 3 are r0 + 1's."""
-    comptime BN = 64 * NWG
-    comptime THREADS = 128 * NWG
-    comptime STAGE = p2_stage_bytes(BM, BN)
-    var smem_addr = Int(smem)
-    for kb in range(nkb):
-        async_copy_wait_group(Int32(STAGES - 3))
-        fence_async_view_proxy()
-        barrier()
-        var nxt = kb + STAGES - 2
-        if nxt < nkb:
-            _p2_issue[BM, NT + NT2, BN, THREADS, CPT](
-                smem, a_src, x_off, blocks, b_off, scales, s_off, tid, nxt % STAGES, nxt
+    """The tile's k loop (_p2_stage per 64-k stage). Tiles of one wgmma part
+    and at least 128 tokens run it unrolled by STAGES, so that each copy of
+    the body has its stage's shared addresses as constants and the global
+    addresses step once per STAGES stages (the last nkb mod STAGES stages run
+    the same bodies, each behind its bound check). The others keep one body
+    with the stage picked at run time: c9's 160-token kernel and the
+    two-part tiles would spill (ptxas at the 128-register cap), and the
+    64-token tiles (c7) would get their wgmmas serialized (C7515)."""
+    comptime if NT2 > 0 or BM < 128 or p2_base_n(BM) != BM:
+        for kb in range(nkb):
+            _p2_stage[BM, NT, NT2, NWG, STAGES, CPT, BIG, -1](
+                smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb, kb
             )
-        async_copy_commit_group()
-        if wg_active:
-            var st = (kb % STAGES) * STAGE
-            var win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
-            var desc0 = wgmma_desc_sw128(smem_addr + st)
-            var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
-            comptime for blk in range(2):
-                var m0 = p2_row_mults[BIG](win, blk)
-                var m1 = p2_row_mults[BIG](win, 2 + blk)
-                var wa = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
-                var wb = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
-                comptime for s2 in range(2):
-                    var frag = p2_frag[BIG, s2](wa, wb, m0, m1)
-                    wgmma_fence_aligned()
-                    # + 32 bytes per k16 step: + 2 in the start-address field (no carry:
-                    # shared addresses are below 2^18, the field holds addr >> 4 in 14 bits)
-                    var desc = desc0 + Int64(2 * (2 * blk + s2))
-                    acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
-                        frag, WGMMADescriptor[DType.bfloat16](desc), acc
-                    )
-                    comptime if NT2 > 0:
-                        acc2 = wgmma_async[64, NT2, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
-                            frag, WGMMADescriptor[DType.bfloat16](p2_part_desc(desc, NT)), acc2
-                        )
-                    wgmma_commit_group_sync()
-                    wgmma_wait_group_sync[1]()
+        wgmma_wait_group_sync[0]()
+        return
+    var kb = 0
+    while kb + STAGES <= nkb:
+        comptime for j in range(STAGES):
+            _p2_stage[BM, NT, NT2, NWG, STAGES, CPT, BIG, j](
+                smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb, kb + j
+            )
+        kb += STAGES
+    comptime for j in range(STAGES - 1):
+        if kb + j < nkb:
+            _p2_stage[BM, NT, NT2, NWG, STAGES, CPT, BIG, j](
+                smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb, kb + j
+            )
     wgmma_wait_group_sync[0]()
 
 
