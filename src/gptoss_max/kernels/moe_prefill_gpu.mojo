@@ -1090,6 +1090,9 @@ def p2_acc2_width(nt2: Int) -> Int:
     return nt2 // 2 if nt2 > 0 else 1
 
 
+comptime P2_STORE_GROUPS = 4  # token groups of 8 whose ids and weights the down epilogue loads at once
+
+
 @always_inline
 def _p2_store[
     down: Bool, NP: Int
@@ -1113,14 +1116,27 @@ def _p2_store[
     4i + 2 + b] -> weight rows n (gate / even), n + 1; tokens valid iff
     t0 + 8i + b < lim."""
     comptime if down:
+        # Rounds of P2_STORE_GROUPS token groups: all their pair ids are loaded, then all their
+        # routing weights, then the stores (each id -> weight -> store in turn left a thread
+        # waiting two dependent loads per token: ncu put ~40 % of the down kernel's stall
+        # samples outside its k loop, mostly there). An invalid token's id stays 0, so its
+        # weight load reads a valid address; it is not stored.
+        comptime CH = min(P2_STORE_GROUPS, NP // 8)
         var sp = sorted.unsafe_offset(row0 + t0 + 2 * q)
-        comptime for i in range(NP // 8):
-            comptime for b in range(2):
+        comptime for i0 in range(0, NP // 8, CH):
+            var ps = SIMD[DType.int32, 2 * CH](0)
+            comptime for j in range(2 * CH):
+                if t0 + 8 * (i0 + j // 2) + j % 2 < lim:
+                    ps[j] = sp[unsafe_offset=8 * (i0 + j // 2) + j % 2]
+            var ws = SIMD[DType.float32, 2 * CH](0)
+            comptime for j in range(2 * CH):
+                ws[j] = wts[unsafe_offset=Int(ps[j])]
+            comptime for j in range(2 * CH):
+                comptime i = i0 + j // 2
+                comptime b = j % 2
                 if t0 + 8 * i + b < lim:
-                    var p = Int(sp[unsafe_offset=8 * i + b])
-                    var w = wts[unsafe_offset=p]
                     var y = SIMD[DType.float32, 2](acc[p2_acc_gate(i, b)] + b0, acc[p2_acc_up(i, b)] + b1)
-                    partial.unsafe_store[alignment=8](p * n_rows + n, w * y)
+                    partial.unsafe_store[alignment=8](Int(ps[j]) * n_rows + n, ws[j] * y)
     else:
         var inter = n_rows // 2
         var hp = h_out.unsafe_offset((row0 + t0 + 2 * q) * inter + (n >> 1))
