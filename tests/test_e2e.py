@@ -6,8 +6,11 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +75,52 @@ def test_a_failing_pipeline_is_a_null_row_with_its_reason(tmp_path):
         3e12 / memory.decode_step_bytes(PRESETS["20b"], True, 1, 1)["total"], rel=0.02
     )
     assert rows[1]["ours_tok_s"] is None
+
+
+def _pids_whose_command_has(text: str) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{name}/cmdline", "rb").read().decode(errors="replace")
+            state = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            pids.append(int(name))
+    return pids
+
+
+def test_a_stopped_bench_takes_its_worker_with_it(tmp_path):
+    """`timeout N bench/e2e.py ...` sends SIGTERM to the bench only; its worker (its own session, so
+    a worker timeout can kill its whole group) used to live on and hold the GPU's memory."""
+    code = (
+        "import argparse; from pathlib import Path; from gptoss_max import e2e; "
+        "a = argparse.Namespace(device='cpu', prompt_len=8, output_len=2, warmup_tokens=0, batch=[1], "
+        "max_length=None, max_batch_input_tokens=None, kv_memory_fraction=None); "
+        f"e2e.run_worker(a, 'stock', 'synthetic:tiny', None, False, 600, Path({str(tmp_path)!r}))"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(e2e.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    parent = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL)
+    marker = str(tmp_path / "worker_stock.json")  # only the worker's command line holds it
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while not workers and time.monotonic() < deadline and parent.poll() is None:
+        workers = _pids_whose_command_has(marker)
+        time.sleep(0.05)
+    assert workers, "the worker never started"
+    parent.send_signal(signal.SIGTERM)
+    rc = parent.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while _pids_whose_command_has(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _pids_whose_command_has(marker)
+    for pid in left:  # never leave one behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the worker outlived the stopped bench"
+    assert rc == 128 + signal.SIGTERM
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -398,6 +399,33 @@ def _tail_reason(text: str) -> str:
     return " | ".join(picked or lines[-1:] or ["no output"])[:400]
 
 
+@contextlib.contextmanager
+def _worker_dies_with_us(proc: subprocess.Popen):
+    """While waiting for a worker (its own session, so a timeout can kill its whole group): if this
+    process is told to stop (SIGTERM, SIGHUP, Ctrl-C), the worker's group goes first. Without
+    this, `timeout 300 bench/e2e.py ...` left the worker running and holding the GPU's memory, and
+    the next run failed with MAX's "Model size exceeds available memory"."""
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    except BaseException as exc:
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+        raise
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def run_worker(
     args: argparse.Namespace,
     arch: str,
@@ -450,7 +478,8 @@ def run_worker(
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout)
+            with _worker_dies_with_us(proc):
+                rc = proc.wait(timeout=timeout)
             if rc != 0:
                 error = f"exit {rc}: {_tail_reason(log.read_text(errors='replace'))}"
         except subprocess.TimeoutExpired:
