@@ -401,10 +401,10 @@ def _tail_reason(text: str) -> str:
 
 @contextlib.contextmanager
 def _worker_dies_with_us(proc: subprocess.Popen):
-    """While waiting for a worker (its own session, so a timeout can kill its whole group): if this
-    process is told to stop (SIGTERM, SIGHUP, Ctrl-C), the worker's group goes first. Without
-    this, `timeout 300 bench/e2e.py ...` left the worker running and holding the GPU's memory, and
-    the next run failed with MAX's "Model size exceeds available memory"."""
+    """While waiting for a worker (its own session): whatever ends the wait early (its timeout, or
+    this process told to stop by SIGTERM, SIGHUP or Ctrl-C) kills the worker's whole group first.
+    Without the signals, `timeout 300 bench/e2e.py ...` left the worker running and holding the
+    GPU's memory, and the next run failed with MAX's "Model size exceeds available memory"."""
 
     def stop(signum, _frame):
         raise SystemExit(128 + signum)
@@ -415,11 +415,10 @@ def _worker_dies_with_us(proc: subprocess.Popen):
             handlers[sig] = signal.signal(sig, stop)
     try:
         yield
-    except BaseException as exc:
-        if not isinstance(exc, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait()
         raise
     finally:
         for sig, handler in handlers.items():
@@ -483,8 +482,6 @@ def run_worker(
             if rc != 0:
                 error = f"exit {rc}: {_tail_reason(log.read_text(errors='replace'))}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
             error = f"timed out after {timeout:.0f} s; last output: {_tail_reason(log.read_text(errors='replace'))}"
     result = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
     result["wall_seconds"] = round(time.perf_counter() - t0, 1)

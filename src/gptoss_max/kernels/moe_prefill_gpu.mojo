@@ -896,11 +896,11 @@ def _p2_stage[
     is a constant offset), else computed at run time. Wait for its copies,
     issue the copies STAGES - 2 stages ahead, decode the A fragments of rows
     r0, r0 + 1 and run four wgmma k16 steps (one group each, at most two in
-    flight); with NT2 > 0 each step also
-    multiplies the same A fragment by token rows NT..NT + NT2 - 1 into acc2,
-    in the same group. BIG: the warp's rows have a scale above 128 somewhere
-    (two multiplies per pair). Rows r0 (even) and r0 + 1 share one aligned
-    scale window: bytes 0, 1 are r0's blocks 0, 1 and bytes 2, 3 are r0 + 1's."""
+    flight); with NT2 > 0 each step also multiplies the same A fragment by
+    token rows NT..NT + NT2 - 1 into acc2, in the same group. BIG: the warp's
+    rows have a scale above 128 somewhere (two multiplies per pair). Rows r0
+    (even) and r0 + 1 share one aligned scale window: bytes 0, 1 are r0's
+    blocks 0, 1 and bytes 2, 3 are r0 + 1's."""
     comptime BN = 64 * NWG
     comptime THREADS = 128 * NWG
     comptime STAGE = p2_stage_bytes(BM, BN)
