@@ -30,12 +30,12 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "router_decode.add_norm_kernel",
         "moe_gpu.gate_up_lean_kernel[4]",
         "moe_gpu.down_kernel[DType.bfloat16, 4, 1]",
+        "router_decode.router_decode_stream_kernel[12, 8, 1]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny, qkv_head, add_norm, lean, down = (
-        ptx.values()
-    )
+    (gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny) = list(ptx.values())[:11]
+    qkv_head, add_norm, lean, down, stream = list(ptx.values())[11:]
     # the multi-token down's last block (v19): after its counter increment, a round's 8 x 4 partial
     # loads are all issued before the first add (they used to wait one after another)
     tail = down[down.index("atom.") :]
@@ -55,6 +55,11 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     # larger steps
     assert ".maxntid 256" in qkv_head and ".maxntid 128" in router
     assert ".entry" in add_norm and "rsqrt.approx" in add_norm and "mma" not in add_norm
+    # the one-token qkv head's streaming kernel: one 8-warp block per SM (all of its registers),
+    # the norm once per block, then a row loop whose next row's loads are issued before this row's
+    # dot (two sets of 12 chunk loads in the loop body)
+    assert ".maxntid 256" in stream and ".minnctapersm 1" in stream and "rsqrt.approx" in stream
+    assert stream.count("ld.global.nc.v4") >= 3 * 12
     # the one-token gate_up that takes the top-k itself: bf16 logits, so a warp argmax round is one
     # redux.sync max over exact keys (no butterfly); the winner of its slot by an indexed shuffle,
     # then the same tensor-core loop

@@ -2,8 +2,8 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from layout import coord_to_index_list
 from max.algorithm import elementwise
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, lane_id, thread_idx, warp_id
-from max.gpu.host import DeviceContext
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, grid_dim, lane_id, thread_idx, warp_id
+from max.gpu.host import DeviceAttribute, DeviceContext
 from max.gpu.memory import AddressSpace, load
 from max.gpu.primitives.warp import shuffle_xor
 from std.collections import Array
@@ -36,6 +36,10 @@ from .gemv import bf16_pair_f32, launch_tc
 # thread's loads (its weight row's chunks, its attn / residual / gamma vectors)
 # are issued before any of them is used: one memory round trip, then two block
 # barriers.
+# GPU, one token and many rows (the qkv head, N >= RD_WIDE_ROWS): router_decode_stream_kernel, a
+# grid of one 8-warp block per SM; each block computes the norm once, then each warp streams rows
+# with the next row's chunks in flight while it multiplies this one (13.7 -> 12.9 us for qkv on an
+# H100, bench/NOTES.md).
 # GPU, steps of RD_MAX_TOKENS + 1 .. RD_MAX_STEP tokens, and many-row weights
 # at 2..4 tokens (two launches): the add and the norm by a block per token
 # (add_norm_kernel), then the projection by gemv.mojo's tensor-core kernel.
@@ -48,43 +52,66 @@ comptime RD_WIDE_ROWS = 1024  # weights of at least this many rows take 8 warps 
 # ... and at least this many blocks per SM (nvvm.minctasm): ptxas gives the one-token kernel 119
 # registers by itself; forcing 3 or 4 blocks spills (qkv head 13.6 -> 17.3 / 26.7 us on an H100)
 comptime RD_WIDE_MINB = 2
+# One token and many rows (the qkv head): blocks per SM of the streaming kernel, which loops each
+# warp over rows with the next row's loads in flight (0: router_decode_kernel, a warp per row)
+comptime RD_STREAM_MINB = 1
 
 
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
-@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MINB))
-def router_decode_kernel[
-    tokens: Int, chunks: Int, WARPS: Int, MINB: Int = 1
-](
-    h_out: Pointer[BFloat16, MutAnyOrigin],
-    xn_out: Pointer[BFloat16, MutAnyOrigin],
-    logits: Pointer[BFloat16, MutAnyOrigin],
-    attn: Pointer[BFloat16, ImmutAnyOrigin],
-    residual: Pointer[BFloat16, ImmutAnyOrigin],
-    gamma: Pointer[BFloat16, ImmutAnyOrigin],
-    w: Pointer[BFloat16, ImmutAnyOrigin],
-    bias: Pointer[BFloat16, ImmutAnyOrigin],
-    n_: Int64,
-    k_: Int64,
-    eps: Float32,
-):
-    """tokens: the step's token count (1..RD_MAX_TOKENS); chunks: 16-byte
-    chunks per lane, ceil(K / 256). Grid: ceil(N / WARPS) blocks."""
-    var n = Int(n_)
-    var k = Int(k_)
-    var lane = Int(lane_id())
-    var warp = Int(warp_id())
-    var tid = Int(thread_idx.x)
-    var row = Int(block_idx.x) * WARPS + warp
-    var nch = k // 8  # 16-byte chunks of a row
+comptime SharedBF16 = Pointer[BFloat16, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
-    # 1. This warp's router row, every chunk in flight before the norm starts.
-    # A warp past the last row reads row n - 1 and stores nothing; indices
-    # past the row are clamped so the loads issue together (they meet zero
-    # activations below).
+
+@always_inline
+def _row_loads[
+    chunks: Int
+](w: Pointer[BFloat16, ImmutAnyOrigin], row: Int, n: Int, k: Int, lane: Int) -> Array[SIMD[DType.uint32, 4], chunks]:
+    """Every 16-byte chunk of weight row `row` that lane `lane` multiplies (chunk lane + 32 i),
+    all issued before any is used. A row past the last reads row n - 1 (its result is never
+    stored); chunks past the row are clamped so the loads issue together (they meet zero
+    activations in _dot)."""
+    var nch = k // 8
     var wrow = w.unsafe_offset(min(row, n - 1) * k).unsafe_bitcast[UInt32]()
     var wv = Array[SIMD[DType.uint32, 4], chunks](fill=0)
     comptime for i in range(chunks):
         wv[i] = load[width=4, read_only=True, alignment=16](wrow + 4 * min(lane + 32 * i, nch - 1))
+    return wv^
+
+
+@always_inline
+def _dot[
+    chunks: Int
+](wv: Array[SIMD[DType.uint32, 4], chunks], xrow: Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED], lane: Int, nch: Int) -> Float32:
+    """This lane's f32 part of a row's dot with the token's xn in shared memory."""
+    var s = SIMD[DType.float32, 2](0)
+    comptime for i in range(chunks):
+        var c = lane + 32 * i
+        var xv = xrow.unsafe_load[width=4, alignment=16](4 * min(c, nch - 1))
+        if c >= nch:
+            xv = SIMD[DType.uint32, 4](0)
+        comptime for j in range(4):
+            s = bf16_pair_f32(wv[i][j]).fma(bf16_pair_f32(xv[j]), s)
+    return s[0] + s[1]
+
+
+@always_inline
+def _add_norm_shared[
+    tokens: Int, chunks: Int, WARPS: Int
+](
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    xn_out: Pointer[BFloat16, MutAnyOrigin],
+    attn: Pointer[BFloat16, ImmutAnyOrigin],
+    residual: Pointer[BFloat16, ImmutAnyOrigin],
+    gamma: Pointer[BFloat16, ImmutAnyOrigin],
+    k: Int,
+    eps: Float32,
+    blocks: Int,
+) -> SharedBF16:
+    """Steps 2-4 of a block (see router_decode_kernel): the add and the norm of the step's
+    tokens into shared memory (token t at t * chunks * 256), and this block's slice (one of
+    `blocks`) of h and xn to global memory. Ends behind a block barrier."""
+    var lane = Int(lane_id())
+    var warp = Int(warp_id())
+    var tid = Int(thread_idx.x)
+    var nch = k // 8
 
     # 2. This thread's vectors of attn, residual and gamma, also all in flight
     # at once (vector v = tid + 128 j of each token row; indices past the row
@@ -130,7 +157,6 @@ def router_decode_kernel[
     # h and xn to global memory.
     comptime STRIDE = chunks * 256  # bf16 per token row in shared memory
     var xs = stack_allocation[tokens * STRIDE, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
-    var blocks = (n + WARPS - 1) // WARPS
     var per_block = (nch + blocks - 1) // blocks
     var lo = Int(block_idx.x) * per_block
     var hi = min(lo + per_block, nch)
@@ -145,21 +171,43 @@ def router_decode_kernel[
                     h_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](h)
                     xn_out.unsafe_offset(t * k + 8 * v).unsafe_store[alignment=16](xv)
     barrier()
+    return xs
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MINB))
+def router_decode_kernel[
+    tokens: Int, chunks: Int, WARPS: Int, MINB: Int = 1
+](
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    xn_out: Pointer[BFloat16, MutAnyOrigin],
+    logits: Pointer[BFloat16, MutAnyOrigin],
+    attn: Pointer[BFloat16, ImmutAnyOrigin],
+    residual: Pointer[BFloat16, ImmutAnyOrigin],
+    gamma: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    n_: Int64,
+    k_: Int64,
+    eps: Float32,
+):
+    """tokens: the step's token count (1..RD_MAX_TOKENS); chunks: 16-byte
+    chunks per lane, ceil(K / 256). Grid: ceil(N / WARPS) blocks."""
+    var n = Int(n_)
+    var k = Int(k_)
+    var lane = Int(lane_id())
+    var row = Int(block_idx.x) * WARPS + Int(warp_id())
+
+    # 1. This warp's row, every chunk in flight before the norm starts.
+    var wv = _row_loads[chunks](w, row, n, k, lane)
+    # 2-4. The add and the norm.
+    var xs = _add_norm_shared[tokens, chunks, WARPS](h_out, xn_out, attn, residual, gamma, k, eps, Int(grid_dim.x))
 
     # 5. The warp's logits: the f32 dot of its row with each token's xn, then
     # bias, rounded to bf16 as MAX's Linear returns them.
     var acc = Array[Float32, tokens](fill=0)
     comptime for t in range(tokens):
-        var xrow = xs.unsafe_offset(t * STRIDE).unsafe_bitcast[UInt32]()
-        var s = SIMD[DType.float32, 2](0)
-        comptime for i in range(chunks):
-            var c = lane + 32 * i
-            var xv = xrow.unsafe_load[width=4, alignment=16](4 * min(c, nch - 1))
-            if c >= nch:
-                xv = SIMD[DType.uint32, 4](0)
-            comptime for j in range(4):
-                s = bf16_pair_f32(wv[i][j]).fma(bf16_pair_f32(xv[j]), s)
-        acc[t] = s[0] + s[1]
+        acc[t] = _dot[chunks](wv, xs.unsafe_offset(t * chunks * 256).unsafe_bitcast[UInt32](), lane, k // 8)
     comptime for t in range(tokens):
         comptime for m in range(5):
             acc[t] += shuffle_xor(acc[t], UInt32(16 >> m))
@@ -167,6 +215,60 @@ def router_decode_kernel[
         var b = bias[unsafe_offset=row].cast[DType.float32]()
         comptime for t in range(tokens):
             logits[unsafe_offset=t * n + row] = (acc[t] + b).cast[DType.bfloat16]()
+
+
+@always_inline
+def _store_logit(acc: Float32, logits: Pointer[BFloat16, MutAnyOrigin], bias: Pointer[BFloat16, ImmutAnyOrigin], row: Int, lane: Int):
+    var a = acc
+    comptime for m in range(5):
+        a += shuffle_xor(a, UInt32(16 >> m))
+    if lane == 0:
+        logits[unsafe_offset=row] = (a + bias[unsafe_offset=row].cast[DType.float32]()).cast[DType.bfloat16]()
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength(MINB))
+def router_decode_stream_kernel[
+    chunks: Int, WARPS: Int, MINB: Int
+](
+    h_out: Pointer[BFloat16, MutAnyOrigin],
+    xn_out: Pointer[BFloat16, MutAnyOrigin],
+    logits: Pointer[BFloat16, MutAnyOrigin],
+    attn: Pointer[BFloat16, ImmutAnyOrigin],
+    residual: Pointer[BFloat16, ImmutAnyOrigin],
+    gamma: Pointer[BFloat16, ImmutAnyOrigin],
+    w: Pointer[BFloat16, ImmutAnyOrigin],
+    bias: Pointer[BFloat16, ImmutAnyOrigin],
+    n_: Int64,
+    k_: Int64,
+    eps: Float32,
+):
+    """One token, many rows (the qkv head): a grid of at most the blocks that fit at once,
+    each computing the norm once, then every warp streams rows warp, warp + NW, ... (NW: the
+    grid's warps) with the next row's chunks in flight while it multiplies this one. Grid: at
+    most ceil(N / WARPS) blocks."""
+    var n = Int(n_)
+    var k = Int(k_)
+    var lane = Int(lane_id())
+    var nw = Int(grid_dim.x) * WARPS
+    var row = Int(block_idx.x) * WARPS + Int(warp_id())
+
+    var wa = _row_loads[chunks](w, row, n, k, lane)
+    var xs = _add_norm_shared[1, chunks, WARPS](h_out, xn_out, attn, residual, gamma, k, eps, Int(grid_dim.x))
+    var xrow = xs.unsafe_bitcast[UInt32]()
+    var wb = Array[SIMD[DType.uint32, 4], chunks](fill=0)
+    # Two rows per turn, so that the two register sets alternate without copies.
+    while row < n:
+        if row + nw < n:
+            wb = _row_loads[chunks](w, row + nw, n, k, lane)
+        _store_logit(_dot[chunks](wa, xrow, lane, k // 8), logits, bias, row, lane)
+        row += nw
+        if row >= n:
+            break
+        if row + nw < n:
+            wa = _row_loads[chunks](w, row + nw, n, k, lane)
+        _store_logit(_dot[chunks](wb, xrow, lane, k // 8), logits, bias, row, lane)
+        row += nw
 
 
 def _launch_warps[
@@ -215,6 +317,15 @@ def _launch[
 ) raises:
     """4 warps per block for few rows (the router: 32 blocks), 8 for many (qkv: 640 blocks, so
     each block's norm is shared by 8 rows)."""
+    comptime if tokens == 1 and RD_STREAM_MINB > 0:
+        if n >= RD_WIDE_ROWS and (k // 8 + 31) // 32 <= 12:
+            # at most the blocks that fit at once: the grid streams the rows (qkv: 264 blocks on an H100)
+            var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
+            var grid = min((n + 7) // 8, sms * RD_STREAM_MINB)
+            ctx.enqueue_function[router_decode_stream_kernel[12, 8, RD_STREAM_MINB]](
+                h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=8 * 32
+            )
+            return
     if n >= RD_WIDE_ROWS:
         _launch_warps[tokens, 8, RD_WIDE_MINB](ctx, h, xn, lg, a, r, g, w, b, n, k, eps)
     else:
