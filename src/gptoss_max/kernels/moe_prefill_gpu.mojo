@@ -872,6 +872,26 @@ def p2_row_mults[BIG: Bool](win: UInt32, j: Int) -> SIMD[DType.uint32, 2]:
 
 
 @always_inline
+def _p2_stage_words[
+    BM: Int, BN: Int, STAGES: Int, J: Int
+](smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED], kb: Int, r0: Int, q: Int) -> Tuple[
+    UInt32, SIMD[DType.uint32, 4]
+]:
+    """Stage kb's scale window of rows r0, r0 + 1 and this thread's four code words, as
+    _p2_stage decodes them (block blk: words[2 blk] of rows r0, words[2 blk + 1] of r0 + 2)."""
+    var st = (kb % STAGES) * p2_stage_bytes(BM, BN)
+    comptime if J >= 0:
+        st = J * p2_stage_bytes(BM, BN)
+    var win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
+    var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
+    var words = SIMD[DType.uint32, 4](0)
+    comptime for blk in range(2):
+        words[2 * blk] = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
+        words[2 * blk + 1] = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
+    return (win, words)
+
+
+@always_inline
 def _p2_stage[
     BM: Int, NT: Int, NT2: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool, J: Int
 ](
@@ -907,6 +927,15 @@ def _p2_stage[
     async_copy_wait_group(Int32(STAGES - 3))
     fence_async_view_proxy()
     barrier()
+    # The stage's scale window and code words first: their shared loads are then in flight while
+    # this thread issues the copies of stage kb + STAGES - 2 (p14).
+    var win = UInt32(0)
+    var words = SIMD[DType.uint32, 4](0)
+    # Not in two-part tiles, nor in c9's 160-token kernel: held across the copies, they spill there.
+    comptime EARLY = NT2 == 0 and p2_base_n(BM) == BM
+    comptime if EARLY:
+        if wg_active:
+            win, words = _p2_stage_words[BM, BN, STAGES, J](smem, kb, r0, q)
     var nxt = kb + STAGES - 2
     if nxt < nkb:
         var ahead = nxt % STAGES
@@ -918,14 +947,18 @@ def _p2_stage[
         var st = (kb % STAGES) * STAGE
         comptime if J >= 0:
             st = J * STAGE
-        var win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
-        var desc0 = wgmma_desc_sw128(Int(smem) + st)
         var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
+        comptime if not EARLY:
+            win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
+        var desc0 = wgmma_desc_sw128(Int(smem) + st)
         comptime for blk in range(2):
             var m0 = p2_row_mults[BIG](win, blk)
             var m1 = p2_row_mults[BIG](win, 2 + blk)
-            var wa = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
-            var wb = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
+            var wa = words[2 * blk]
+            var wb = words[2 * blk + 1]
+            comptime if not EARLY:  # each block's words just before its wgmmas (as before p14)
+                wa = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
+                wb = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
             comptime for s2 in range(2):
                 var frag = p2_frag[BIG, s2](wa, wb, m0, m1)
                 wgmma_fence_aligned()
