@@ -58,6 +58,7 @@ comptime RD_STREAM_MINB = 1
 
 
 comptime SharedBF16 = Pointer[BFloat16, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+comptime SharedU32 = Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 @always_inline
@@ -79,7 +80,7 @@ def _row_loads[
 @always_inline
 def _dot[
     chunks: Int
-](wv: Array[SIMD[DType.uint32, 4], chunks], xrow: Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED], lane: Int, nch: Int) -> Float32:
+](wv: Array[SIMD[DType.uint32, 4], chunks], xrow: SharedU32, lane: Int, nch: Int) -> Float32:
     """This lane's f32 part of a row's dot with the token's xn in shared memory."""
     var s = SIMD[DType.float32, 2](0)
     comptime for i in range(chunks):
@@ -218,7 +219,10 @@ def router_decode_kernel[
 
 
 @always_inline
-def _store_logit(acc: Float32, logits: Pointer[BFloat16, MutAnyOrigin], bias: Pointer[BFloat16, ImmutAnyOrigin], row: Int, lane: Int):
+def _store_logit(
+    acc: Float32, logits: Pointer[BFloat16, MutAnyOrigin], bias: Pointer[BFloat16, ImmutAnyOrigin], row: Int, lane: Int
+):
+    """Lane 0 stores row's logit: the warp's sum of acc, plus the bias, rounded to bf16."""
     var a = acc
     comptime for m in range(5):
         a += shuffle_xor(a, UInt32(16 >> m))
