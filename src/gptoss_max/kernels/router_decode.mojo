@@ -202,7 +202,8 @@ def router_decode_kernel[
     # 1. This warp's row, every chunk in flight before the norm starts.
     var wv = _row_loads[chunks](w, row, n, k, lane)
     # 2-4. The add and the norm.
-    var xs = _add_norm_shared[tokens, chunks, WARPS](h_out, xn_out, attn, residual, gamma, k, eps, Int(grid_dim.x))
+    var blocks = (n + WARPS - 1) // WARPS
+    var xs = _add_norm_shared[tokens, chunks, WARPS](h_out, xn_out, attn, residual, gamma, k, eps, blocks)
 
     # 5. The warp's logits: the f32 dot of its row with each token's xn, then
     # bias, rounded to bf16 as MAX's Linear returns them.
