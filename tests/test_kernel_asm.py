@@ -34,8 +34,24 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
-    (gate_up1, gate_up, down1, gemv, router, merge, tc4, tc8, routed, tc_rope, skinny) = list(ptx.values())[:11]
-    qkv_head, add_norm, lean, down, stream = list(ptx.values())[11:]
+    (
+        gate_up1,
+        gate_up,
+        down1,
+        gemv,
+        router,
+        merge,
+        tc4,
+        tc8,
+        routed,
+        tc_rope,
+        skinny,
+        qkv_head,
+        add_norm,
+        lean,
+        down,
+        stream,
+    ) = ptx.values()
     # the multi-token down's last block (v19): after its counter increment, a round's 8 x 4 partial
     # loads are all issued before the first add (they used to wait one after another)
     tail = down[down.index("atom.") :]

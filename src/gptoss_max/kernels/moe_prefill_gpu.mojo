@@ -872,23 +872,32 @@ def p2_row_mults[BIG: Bool](win: UInt32, j: Int) -> SIMD[DType.uint32, 2]:
 
 
 @always_inline
-def _p2_stage_words[
-    BM: Int, BN: Int, STAGES: Int, J: Int
-](smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED], kb: Int, r0: Int, q: Int) -> Tuple[
-    UInt32, SIMD[DType.uint32, 4]
-]:
-    """Stage kb's scale window of rows r0, r0 + 1 and this thread's four code words, as
-    _p2_stage decodes them (block blk: words[2 blk] of rows r0, words[2 blk + 1] of r0 + 2)."""
-    var st = (kb % STAGES) * p2_stage_bytes(BM, BN)
+def _p2_stage_at[STAGES: Int, STAGE: Int, J: Int](kb: Int) -> Int:
+    """Byte offset of stage kb's shared buffer (J's, a compile-time constant, when J >= 0)."""
+    var st = (kb % STAGES) * STAGE
     comptime if J >= 0:
-        st = J * p2_stage_bytes(BM, BN)
-    var win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
+        st = J * STAGE
+    return st
+
+
+@always_inline
+def _p2_window[
+    BM: Int, BN: Int
+](smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED], st: Int, r0: Int) -> UInt32:
+    """The scale window of rows r0, r0 + 1 in the stage at byte st."""
+    return smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
+
+
+@always_inline
+def _p2_words[
+    BM: Int
+](
+    smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED], st: Int, r0: Int, q: Int, blk: Int
+) -> Tuple[UInt32, UInt32]:
+    """This thread's code words of block blk in the stage at byte st: rows r0 and r0 + 2."""
     var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
-    var words = SIMD[DType.uint32, 4](0)
-    comptime for blk in range(2):
-        words[2 * blk] = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
-        words[2 * blk + 1] = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
-    return (win, words)
+    var wa = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
+    return (wa, pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q])
 
 
 @always_inline
@@ -935,7 +944,10 @@ def _p2_stage[
     comptime EARLY = NT2 == 0 and p2_base_n(BM) == BM
     comptime if EARLY:
         if wg_active:
-            win, words = _p2_stage_words[BM, BN, STAGES, J](smem, kb, r0, q)
+            var st = _p2_stage_at[STAGES, STAGE, J](kb)
+            win = _p2_window[BM, BN](smem, st, r0)
+            comptime for blk in range(2):
+                words[2 * blk], words[2 * blk + 1] = _p2_words[BM](smem, st, r0, q, blk)
     var nxt = kb + STAGES - 2
     if nxt < nkb:
         var ahead = nxt % STAGES
@@ -944,12 +956,9 @@ def _p2_stage[
         _p2_issue[BM, NT + NT2, BN, THREADS, CPT](smem, a_src, x_off, blocks, b_off, scales, s_off, tid, ahead, nxt)
     async_copy_commit_group()
     if wg_active:
-        var st = (kb % STAGES) * STAGE
-        comptime if J >= 0:
-            st = J * STAGE
-        var pk = smem.unsafe_offset(st + BM * 128).unsafe_bitcast[UInt32]()
+        var st = _p2_stage_at[STAGES, STAGE, J](kb)
         comptime if not EARLY:
-            win = smem.unsafe_offset(st + BM * 128 + BN * 32 + r0 * 4).unsafe_bitcast[UInt32]()[0]
+            win = _p2_window[BM, BN](smem, st, r0)
         var desc0 = wgmma_desc_sw128(Int(smem) + st)
         comptime for blk in range(2):
             var m0 = p2_row_mults[BIG](win, blk)
@@ -957,8 +966,7 @@ def _p2_stage[
             var wa = words[2 * blk]
             var wb = words[2 * blk + 1]
             comptime if not EARLY:  # each block's words just before its wgmmas (as before p14)
-                wa = pk[unsafe_offset=packed_unit(2 * r0 + blk) * 4 + q]
-                wb = pk[unsafe_offset=packed_unit(2 * r0 + 2 + blk) * 4 + q]
+                wa, wb = _p2_words[BM](smem, st, r0, q, blk)
             comptime for s2 in range(2):
                 var frag = p2_frag[BIG, s2](wa, wb, m0, m1)
                 wgmma_fence_aligned()

@@ -175,6 +175,18 @@ def _add_norm_shared[
     return xs
 
 
+@always_inline
+def _store_logit(
+    acc: Float32, logits: Pointer[BFloat16, MutAnyOrigin], bias: Pointer[BFloat16, ImmutAnyOrigin], row: Int, lane: Int
+):
+    """Lane 0 stores row's logit: the warp's sum of acc, plus the bias, rounded to bf16."""
+    var a = acc
+    comptime for m in range(5):
+        a += shuffle_xor(a, UInt32(16 >> m))
+    if lane == 0:
+        logits[unsafe_offset=row] = (a + bias[unsafe_offset=row].cast[DType.float32]()).cast[DType.bfloat16]()
+
+
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(MINB))
 def router_decode_kernel[
@@ -210,25 +222,9 @@ def router_decode_kernel[
     var acc = Array[Float32, tokens](fill=0)
     comptime for t in range(tokens):
         acc[t] = _dot[chunks](wv, xs.unsafe_offset(t * chunks * 256).unsafe_bitcast[UInt32](), lane, k // 8)
-    comptime for t in range(tokens):
-        comptime for m in range(5):
-            acc[t] += shuffle_xor(acc[t], UInt32(16 >> m))
-    if lane == 0 and row < n:
-        var b = bias[unsafe_offset=row].cast[DType.float32]()
+    if row < n:  # warp-uniform
         comptime for t in range(tokens):
-            logits[unsafe_offset=t * n + row] = (acc[t] + b).cast[DType.bfloat16]()
-
-
-@always_inline
-def _store_logit(
-    acc: Float32, logits: Pointer[BFloat16, MutAnyOrigin], bias: Pointer[BFloat16, ImmutAnyOrigin], row: Int, lane: Int
-):
-    """Lane 0 stores row's logit: the warp's sum of acc, plus the bias, rounded to bf16."""
-    var a = acc
-    comptime for m in range(5):
-        a += shuffle_xor(a, UInt32(16 >> m))
-    if lane == 0:
-        logits[unsafe_offset=row] = (a + bias[unsafe_offset=row].cast[DType.float32]()).cast[DType.bfloat16]()
+            _store_logit(acc[t], logits.unsafe_offset(t * n), bias, row, lane)
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARPS * 32)))
@@ -324,11 +320,12 @@ def _launch[
     each block's norm is shared by 8 rows)."""
     comptime if tokens == 1 and RD_STREAM_MINB > 0:
         if n >= RD_WIDE_ROWS and (k // 8 + 31) // 32 <= 12:
-            # at most the blocks that fit at once: the grid streams the rows (qkv: 264 blocks on an H100)
+            # at most the blocks that fit at once: the grid streams the rows (qkv: 132 blocks on an H100)
+            comptime W = 8
             var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
-            var grid = min((n + 7) // 8, sms * RD_STREAM_MINB)
-            ctx.enqueue_function[router_decode_stream_kernel[12, 8, RD_STREAM_MINB]](
-                h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=8 * 32
+            var grid = min((n + W - 1) // W, sms * RD_STREAM_MINB)
+            ctx.enqueue_function[router_decode_stream_kernel[12, W, RD_STREAM_MINB]](
+                h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=W * 32
             )
             return
     if n >= RD_WIDE_ROWS:
