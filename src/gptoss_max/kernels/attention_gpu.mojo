@@ -32,6 +32,7 @@ from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
 from std.collections import Array
 from std.math import exp2
 from std.memory import bitcast, stack_allocation
+from .pdl import pdl_attributes, pdl_enter
 
 comptime SPLIT_TOKENS = 16
 # Keys a split of a sliding-window layer covers at least: 128 is two 16-key
@@ -148,6 +149,7 @@ def attention_split_kernel[
     splits_: Int64,
     scale: Float32,
 ):
+    pdl_enter()
     comptime D = head_dim
     var batch = Int(batch_)
     var max_pages = Int(max_pages_)
@@ -329,6 +331,7 @@ def attention_tc_kernel[
     whose split holds the new key p ropes its K row, takes its V row, uses
     both for key p and writes them to the cache: this step's K/V are not in
     the cache before the launch, and no other block reads slot p."""
+    pdl_enter()
     comptime D = TC_DIM
     var n_heads = Int(n_heads_)
     var page_size = Int(page_size_)
@@ -521,6 +524,7 @@ def attention_merge_kernel[
     ...) over the splits with every load issued up front (the split index
     is clamped, the extra splits weigh 0), so the kernel is two dependent
     L2 round trips, not 2 S of them."""
+    pdl_enter()
     comptime D = head_dim
     var n_heads = Int(n_heads_)
     var splits = Int(splits_)
@@ -589,13 +593,13 @@ def _launch_tc[
                 Int64(batch), Int64(max_pages), Int64(n_heads), Int64(page_size), Int64(slot_elems),
                 Int64(page_elems), Int64(k_base), Int64(v_base), Int64(window), Int64(splits), scale,
                 grid_dim=(tokens, splits, n_heads // TC_HEADS),
-                block_dim=warps * 32,
+                block_dim=warps * 32, attributes=pdl_attributes()
             )
     if splits > 1:
         ctx.enqueue_function[attention_merge_kernel[DType.bfloat16, sink_dtype, TC_DIM]](
             output, scratch, sinks, Int64(n_heads), Int64(splits),
             grid_dim=(tokens, n_heads),
-            block_dim=32,
+            block_dim=32, attributes=pdl_attributes()
         )
 
 
@@ -700,11 +704,11 @@ def launch_attention[
         Int64(hpb), Int64(slot_elems), Int64(page_elems), Int64(k_base), Int64(v_base),
         Int64(window), Int64(splits), scale,
         grid_dim=(tokens, splits, n_heads // hpb),
-        block_dim=hpb * 32,
+        block_dim=hpb * 32, attributes=pdl_attributes()
     )
     if splits > 1:
         ctx.enqueue_function[attention_merge_kernel[dtype, sink_dtype, head_dim]](
             output, scratch, sinks, Int64(n_heads), Int64(splits),
             grid_dim=(tokens, n_heads),
-            block_dim=32,
+            block_dim=32, attributes=pdl_attributes()
         )

@@ -11,6 +11,7 @@ from std.collections import Array
 from std.memory import bitcast, stack_allocation
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
+from .pdl import pdl_attributes, pdl_enter
 
 # Dense bf16 projections of decode steps: y = x W^T + b (W [N, K] row-major,
 # as MAX's Linear stores it). Two GPU paths:
@@ -60,6 +61,7 @@ def gemv_kernel[
 ):
     """tokens (1..GEMV_MAX_TOKENS) rows of x; chunks = 16-byte chunks per
     lane, ceil(K / 256)."""
+    pdl_enter()
     var n = Int(n_)
     var k = Int(k_)
     var row = Int(block_idx.x) * GEMV_WARPS + Int(warp_id())
@@ -180,6 +182,7 @@ def skinny_kernel[
     k_: Int64,
 ):
     """NT n tiles (tokens <= 8 NT), WARPS warps per 16-row block; K % 32 == 0."""
+    pdl_enter()
     comptime DEPTH = skinny_depth(NT)
     var tokens = Int(t_)
     var n = Int(n_)
@@ -265,13 +268,13 @@ def launch_skinny[
     var blocks = (n + 15) // 16
     if blocks >= 264:
         ctx.enqueue_function[skinny_kernel[NT, 8]](
-            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=256
+            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=256, attributes=pdl_attributes()
         )
     else:
         # 16 warps only for one n tile: past it their 128-register cap spills
         comptime W = 16 if NT == 1 else 8
         ctx.enqueue_function[skinny_kernel[NT, W]](
-            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=32 * W
+            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=32 * W, attributes=pdl_attributes()
         )
 
 
@@ -311,11 +314,11 @@ def _launch[
     # instantiations by row length: gpt-oss's K are 2880 (12 chunks per lane) and 4096 (16)
     if (k // 8 + 31) // 32 <= 12:
         ctx.enqueue_function[gemv_kernel[tokens, 12, staged]](
-            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32
+            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32, attributes=pdl_attributes()
         )
     else:
         ctx.enqueue_function[gemv_kernel[tokens, GEMV_MAX_CHUNKS, staged]](
-            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32
+            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32, attributes=pdl_attributes()
         )
 
 

@@ -67,6 +67,7 @@ from std.utils.static_tuple import StaticTuple
 from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
 from .router_topk import warp_topk
+from .pdl import pdl_attributes, pdl_enter
 
 # Warps per block (a 16-row tile per warp, or per ksplit warps in down). For
 # 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share
@@ -508,6 +509,7 @@ def gate_up_kernel[
     takes the top_k of the router's logits [E] itself (router_topk.warp_topk,
     E <= 32 * route) and block (0, 0) writes them to ids_out / wts_out for
     down; `ids` is then unused."""
+    pdl_enter()
     var n_counters = Int(n_counters_)
     var n_pairs = Int(n_pairs_)
     var top_k = Int(top_k_)
@@ -743,6 +745,7 @@ def gate_up_lean_kernel[
     16-row tile (grid: row tiles x top_k pair slots): warp w takes blocks
     [w * nb / KS, (w + 1) * nb / KS) of H, warp 0 adds the others' fragments
     and writes h."""
+    pdl_enter()
     comptime KS = max(LEAN_KS, 1)
     comptime XS_WORDS = LEAN_SLOTS * LEAN_X_STRIDE
     var n_counters = Int(n_counters_)
@@ -855,6 +858,7 @@ def down_kernel[
     counters: one per block's tile of warps / ksplit * 16 rows. ksplit warps
     share each 16-row tile, each over its part of I (more warps in flight
     for few tokens); the first adds the others' fragments."""
+    pdl_enter()
     var n_pairs = Int(n_pairs_)
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
@@ -1050,6 +1054,7 @@ def down_one_token_kernel[
     in shared memory in a fixed order (deterministic), so no partials reach
     global memory and no block waits on a counter. Warp w serves pair
     w // DOWN_KSPLIT_FEW (expert ids[pair]; an invalid id adds nothing)."""
+    pdl_enter()
     comptime ksplit = DOWN_KSPLIT_FEW
     comptime nw = MAX_TOPK * ksplit
     var top_k = Int(top_k_)
@@ -1155,7 +1160,7 @@ def _launch_gate_up[
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + warps * 16 - 1) // (warps * 16), n_pairs if one_token else min(n_experts, n_pairs)),
-        block_dim=warps * 32,
+        block_dim=warps * 32, attributes=pdl_attributes()
     )
 
 
@@ -1184,7 +1189,7 @@ def _launch_gate_up_lean[
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + 15) // 16, top_k),
-        block_dim=LEAN_KS * 32,
+        block_dim=LEAN_KS * 32, attributes=pdl_attributes()
     )
 
 
@@ -1305,7 +1310,7 @@ def _launch_down[
         output, partial, counters, h, ids, wts, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
         grid_dim=((hidden + warps // ksplit * 16 - 1) // (warps // ksplit * 16), min(n_experts, n_pairs)),
-        block_dim=warps * 32,
+        block_dim=warps * 32, attributes=pdl_attributes()
     )
 
 
@@ -1338,7 +1343,7 @@ def launch_down[
             output, h, ids, wts, blocks, scales, bias,
             Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
             grid_dim=(hidden + 15) // 16,
-            block_dim=MAX_TOPK * DOWN_KSPLIT_FEW * 32,
+            block_dim=MAX_TOPK * DOWN_KSPLIT_FEW * 32, attributes=pdl_attributes()
         )
     elif tokens <= FEW_TOKENS:
         _launch_down[out_dtype, DOWN_WARPS_FEW, DOWN_KSPLIT_FEW](

@@ -13,6 +13,7 @@ from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
 
 from .gemv import bf16_pair_f32, launch_tc
+from .pdl import pdl_attributes, pdl_enter
 
 # The head of a decode step's MoE block in one launch: the residual add after
 # attention, the post-attention RMS norm and the router's logits,
@@ -206,6 +207,7 @@ def router_decode_kernel[
 ):
     """tokens: the step's token count (1..RD_MAX_TOKENS); chunks: 16-byte
     chunks per lane, ceil(K / 256). Grid: ceil(N / WARPS) blocks."""
+    pdl_enter()
     var n = Int(n_)
     var k = Int(k_)
     var lane = Int(lane_id())
@@ -248,6 +250,7 @@ def router_decode_stream_kernel[
     each computing the norm once, then every warp streams rows warp, warp + NW, ... (NW: the
     grid's warps) with the next row's chunks in flight while it multiplies this one. Grid: at
     most ceil(N / WARPS) blocks."""
+    pdl_enter()
     var n = Int(n_)
     var k = Int(k_)
     var lane = Int(lane_id())
@@ -292,11 +295,11 @@ def _launch_warps[
     # gpt-oss's hidden is 2880: 12 chunks per lane
     if (k // 8 + 31) // 32 <= 12:
         ctx.enqueue_function[router_decode_kernel[tokens, 12, WARPS, MINB]](
-            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32, attributes=pdl_attributes()
         )
     else:
         ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS, WARPS, MINB]](
-            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32, attributes=pdl_attributes()
         )
 
 
@@ -325,7 +328,7 @@ def _launch[
             var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
             var grid = min((n + W - 1) // W, sms * RD_STREAM_MINB)
             ctx.enqueue_function[router_decode_stream_kernel[12, W, RD_STREAM_MINB]](
-                h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=W * 32
+                h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=W * 32, attributes=pdl_attributes()
             )
             return
     if n >= RD_WIDE_ROWS:
@@ -350,6 +353,7 @@ def add_norm_kernel(
 ):
     """h = bf16(attn + residual) and xn = bf16(rms_norm(h) * gamma) of one token per block
     (block_idx.x), the same arithmetic as router_decode_kernel's. K % 8 == 0, K <= 4096."""
+    pdl_enter()
     var k = Int(k_)
     var t = Int(block_idx.x)
     var tid = Int(thread_idx.x)
@@ -406,7 +410,7 @@ def _launch_norm_then_tc(
 ) raises:
     """Steps past RD_MAX_TOKENS: the add and the norm (a block per token), then the projection of
     xn on tensor cores (gemv.mojo). Not parametric, so the package build checks it on any host."""
-    ctx.enqueue_function[add_norm_kernel](h, xn, a, r, g, Int64(k), eps, grid_dim=tokens, block_dim=AN_THREADS)
+    ctx.enqueue_function[add_norm_kernel](h, xn, a, r, g, Int64(k), eps, grid_dim=tokens, block_dim=AN_THREADS, attributes=pdl_attributes())
     launch_tc(ctx, lg, xn.unsafe_mut_cast[False]().unsafe_origin_cast[ImmutAnyOrigin](), w, b, tokens, n, k)
 
 

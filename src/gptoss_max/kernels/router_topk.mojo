@@ -11,6 +11,7 @@ from std.memory import bitcast
 from std.sys import llvm_intrinsic
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
+from .pdl import pdl_attributes, pdl_enter
 
 # The MoE router's tail in one op: top-k of each token's expert logits, then
 # the softmax over those k, which the expert ops take (ids int32, weights
@@ -177,6 +178,7 @@ def router_topk_kernel[
     n_experts_: Int64,
     top_k_: Int64,
 ):
+    pdl_enter()
     var tokens = Int(tokens_)
     var n_experts = Int(n_experts_)
     var top_k = Int(top_k_)
@@ -209,7 +211,7 @@ def _launch[
         Int64(n_experts),
         Int64(top_k),
         grid_dim=(tokens + ROUTER_WARPS - 1) // ROUTER_WARPS,
-        block_dim=ROUTER_WARPS * 32,
+        block_dim=ROUTER_WARPS * 32, attributes=pdl_attributes()
     )
 
 
