@@ -264,43 +264,6 @@ comptime TC_DIM = 64
 
 
 @always_inline
-def _chunk_loads(
-    mut vr: Array[SIMD[DType.uint32, 4], 4],
-    mut kw: Array[SIMD[DType.uint32, 8], 2],
-    kv: Pointer[BFloat16, MutAnyOrigin],
-    trow: Pointer[UInt32, ImmutAnyOrigin],
-    kbase: Int,
-    je: Int,
-    g: Int,
-    q4: Int,
-    head_off: Int,
-    k_base: Int,
-    v_base: Int,
-    page_size: Int,
-    page_elems: Int,
-    slot_elems: Int,
-):
-    """A warp's 16-key chunk at kbase (keys < je) for attention_tc_kernel: V rows of keys
-    2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9, dims 8 g .. 8 g + 7 (issued first, so they are in
-    flight with K's), and K rows of keys kbase + 8 grp + g, dims 16 q4 .. 16 q4 + 15. Keys
-    past je read as 0."""
-    comptime for i in range(4):
-        vr[i] = SIMD[DType.uint32, 4](0)
-        var key = kbase + 2 * q4 + (i & 1) + 8 * (i >> 1)
-        if key < je:
-            var vp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + v_base)
-            vr[i] = vp.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
-    comptime for grp in range(2):
-        kw[grp] = SIMD[DType.uint32, 8](0)
-        var key = kbase + 8 * grp + g
-        if key < je:
-            var kp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + k_base)
-            var kwp = kp.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
-            kw[grp] = kw[grp].insert[offset=0](kwp.unsafe_load[width=4, alignment=16](0))
-            kw[grp] = kw[grp].insert[offset=4](kwp.unsafe_load[width=4, alignment=16](4))
-
-
-@always_inline
 def _quad_max(v: Float32) -> Float32:
     var r = max(v, shuffle_xor(v, UInt32(1)))
     return max(r, shuffle_xor(r, UInt32(2)))
@@ -367,12 +330,8 @@ def attention_tc_kernel[
     MAX's (cos, sin)-interleaved table [positions, 64]), and the one block
     whose split holds the new key p ropes its K row, takes its V row, uses
     both for key p and writes them to the cache: this step's K/V are not in
-    the cache before the launch, and no other block reads slot p. With ROPE
-    the warp's first key chunk is requested before the wait for the previous
-    kernel (pdl.mojo): those keys are earlier steps' (the new one is this
-    kernel's to write), and the step's lengths and page table are inputs."""
-    comptime if not ROPE:
-        pdl_enter()  # the pass before (rope_store) wrote this step's keys
+    the cache before the launch, and no other block reads slot p."""
+    pdl_enter()
     comptime D = TC_DIM
     var n_heads = Int(n_heads_)
     var page_size = Int(page_size_)
@@ -399,16 +358,6 @@ def attention_tc_kernel[
     var q_row = n_heads * D + (n_heads // 4) * D if ROPE else n_heads * D
     var k_new = q.unsafe_offset(t * q_row + n_heads * D + kvh * D)
     var v_new = k_new.unsafe_offset((n_heads // TC_HEADS) * D)
-    # With ROPE the new key (always the last of the split holding it) is not
-    # in the cache yet: the loop stops before it and one warp adds it after.
-    var holds_new = ROPE and j0 <= pos and pos < j1
-    var je = pos if holds_new else j1
-    var kbase = j0 + 16 * w
-    var vr = Array[SIMD[DType.uint32, 4], 4](fill=SIMD[DType.uint32, 4](0))
-    var kw = Array[SIMD[DType.uint32, 8], 2](fill=SIMD[DType.uint32, 8](0))
-    comptime if ROPE:
-        _chunk_loads(vr, kw, kv, trow, kbase, je, g, q4, head_off, k_base, v_base, page_size, page_elems, slot_elems)
-        pdl_enter()
 
     # Q (head g), dim pairs 8 q4 .. 8 q4 + 7.
     var qw = q.unsafe_offset(t * q_row + h * D + 16 * q4).unsafe_bitcast[UInt32]()
@@ -426,6 +375,10 @@ def attention_tc_kernel[
     var m = NEG_BIG
     var l: Float32 = 0
     var acc = Array[SIMD[DType.float32, 4], 8](fill=SIMD[DType.float32, 4](0))
+    # With ROPE the new key (always the last of the split holding it) is not
+    # in the cache yet: the loop stops before it and one warp adds it after.
+    var holds_new = ROPE and j0 <= pos and pos < j1
+    var je = pos if holds_new else j1
     # The new key's K row (roped after the loop, lane: dims 16 q4 .. 16 q4 + 15,
     # as q) and V row, loaded now so their latency hides behind the loop.
     var kraw = SIMD[DType.uint32, 8](0)
@@ -438,11 +391,25 @@ def attention_tc_kernel[
             kraw = kraw.insert[offset=4](knp.unsafe_load[width=4, alignment=16](4))
             vraw = vraw.insert[offset=0](vnp.unsafe_load[width=4, alignment=16](0))
             vraw = vraw.insert[offset=4](vnp.unsafe_load[width=4, alignment=16](4))
-    var first = True
+    var kbase = j0 + 16 * w
     while kbase < je:
-        if not ROPE or not first:  # with ROPE the first chunk is loaded above
-            _chunk_loads(vr, kw, kv, trow, kbase, je, g, q4, head_off, k_base, v_base, page_size, page_elems, slot_elems)
-        first = False
+        # V rows of keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9: dims 8 g .. 8 g + 7,
+        # loaded first so they are in flight with K's.
+        var vr = Array[SIMD[DType.uint32, 4], 4](fill=SIMD[DType.uint32, 4](0))
+        comptime for i in range(4):
+            var key = kbase + 2 * q4 + (i & 1) + 8 * (i >> 1)
+            if key < je:
+                var vp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + v_base)
+                vr[i] = vp.unsafe_offset(8 * g).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
+        # K rows of keys kbase + 8 grp + g, dims 16 q4 .. 16 q4 + 15.
+        var kw = Array[SIMD[DType.uint32, 8], 2](fill=SIMD[DType.uint32, 8](0))
+        comptime for grp in range(2):
+            var key = kbase + 8 * grp + g
+            if key < je:
+                var kp = kv.unsafe_offset(_slot(trow, key, page_size, page_elems, slot_elems) + head_off + k_base)
+                var kwp = kp.unsafe_offset(16 * q4).unsafe_bitcast[UInt32]()
+                kw[grp] = kw[grp].insert[offset=0](kwp.unsafe_load[width=4, alignment=16](0))
+                kw[grp] = kw[grp].insert[offset=4](kwp.unsafe_load[width=4, alignment=16](4))
         # Scores of keys kbase + 8 grp + 2 q4 + {0, 1} for head g.
         var sc = SIMD[DType.float32, 4](NEG_BIG)
         comptime for grp in range(2):

@@ -3,8 +3,7 @@
 # A kernel launched with `pdl_attributes()` may be scheduled while the kernel
 # before it in the stream still runs, once every block of that one has
 # executed `griddepcontrol.launch_dependents`. Every kernel launched this way
-# calls `pdl_enter()` before it reads anything the previous kernels wrote and
-# before any store (most as their first statement): `griddepcontrol.wait` blocks
+# calls `pdl_enter()` as its first statement: `griddepcontrol.wait` blocks
 # until the previous grid has completed and its memory is visible, and only
 # then does the block signal its own dependents. So no block reads or writes
 # anything before all earlier kernels are done (the same order as plain
@@ -25,10 +24,7 @@ from std.sys.info import _is_sm_9x_or_newer
 
 @always_inline
 def pdl_enter():
-    """Wait for the previous grid, then let the next one launch. Before this
-    call a kernel may only load what the previous grid does not write
-    (weights, earlier steps' KV cache): that grid may still be running, while
-    every grid before it has ended, since it signals only after its own wait."""
+    """Wait for the previous grid, then let the next one launch."""
     comptime if _is_sm_9x_or_newer():
         inlined_assembly["griddepcontrol.wait;", NoneType, constraints="~{memory}", has_side_effect=True]()
         inlined_assembly["griddepcontrol.launch_dependents;", NoneType, constraints="~{memory}", has_side_effect=True]()

@@ -249,8 +249,8 @@ def router_decode_stream_kernel[
     """One token, many rows (the qkv head): a grid of at most the blocks that fit at once,
     each computing the norm once, then every warp streams rows warp, warp + NW, ... (NW: the
     grid's warps) with the next row's chunks in flight while it multiplies this one. Grid: at
-    most ceil(N / WARPS) blocks. The first row's weights are requested before the wait for
-    the previous kernel (pdl.mojo)."""
+    most ceil(N / WARPS) blocks."""
+    pdl_enter()
     var n = Int(n_)
     var k = Int(k_)
     var lane = Int(lane_id())
@@ -258,7 +258,6 @@ def router_decode_stream_kernel[
     var row = Int(block_idx.x) * WARPS + Int(warp_id())
 
     var wa = _row_loads[chunks](w, row, n, k, lane)
-    pdl_enter()
     var xs = _add_norm_shared[1, chunks, WARPS](h_out, xn_out, attn, residual, gamma, k, eps, Int(grid_dim.x))
     var xrow = xs.unsafe_bitcast[UInt32]()
     var wb = Array[SIMD[DType.uint32, 4], chunks](fill=0)
