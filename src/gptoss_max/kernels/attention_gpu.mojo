@@ -593,13 +593,15 @@ def _launch_tc[
                 Int64(batch), Int64(max_pages), Int64(n_heads), Int64(page_size), Int64(slot_elems),
                 Int64(page_elems), Int64(k_base), Int64(v_base), Int64(window), Int64(splits), scale,
                 grid_dim=(tokens, splits, n_heads // TC_HEADS),
-                block_dim=warps * 32, attributes=pdl_attributes()
+                block_dim=warps * 32,
+                attributes=pdl_attributes(tokens == 1),
             )
     if splits > 1:
         ctx.enqueue_function[attention_merge_kernel[DType.bfloat16, sink_dtype, TC_DIM]](
             output, scratch, sinks, Int64(n_heads), Int64(splits),
             grid_dim=(tokens, n_heads),
-            block_dim=32, attributes=pdl_attributes()
+            block_dim=32,
+            attributes=pdl_attributes(tokens == 1),
         )
 
 
@@ -704,11 +706,13 @@ def launch_attention[
         Int64(hpb), Int64(slot_elems), Int64(page_elems), Int64(k_base), Int64(v_base),
         Int64(window), Int64(splits), scale,
         grid_dim=(tokens, splits, n_heads // hpb),
-        block_dim=hpb * 32, attributes=pdl_attributes()
+        block_dim=hpb * 32,
+        attributes=pdl_attributes(tokens == 1),
     )
     if splits > 1:
         ctx.enqueue_function[attention_merge_kernel[dtype, sink_dtype, head_dim]](
             output, scratch, sinks, Int64(n_heads), Int64(splits),
             grid_dim=(tokens, n_heads),
-            block_dim=32, attributes=pdl_attributes()
+            block_dim=32,
+            attributes=pdl_attributes(tokens == 1),
         )

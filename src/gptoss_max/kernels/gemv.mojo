@@ -268,13 +268,15 @@ def launch_skinny[
     var blocks = (n + 15) // 16
     if blocks >= 264:
         ctx.enqueue_function[skinny_kernel[NT, 8]](
-            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=256, attributes=pdl_attributes()
+            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=256,
+            attributes=pdl_attributes(tokens == 1),
         )
     else:
         # 16 warps only for one n tile: past it their 128-register cap spills
         comptime W = 16 if NT == 1 else 8
         ctx.enqueue_function[skinny_kernel[NT, W]](
-            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=32 * W, attributes=pdl_attributes()
+            y, x, w, bias, Int64(tokens), Int64(n), Int64(k), grid_dim=blocks, block_dim=32 * W,
+            attributes=pdl_attributes(tokens == 1),
         )
 
 
@@ -314,11 +316,13 @@ def _launch[
     # instantiations by row length: gpt-oss's K are 2880 (12 chunks per lane) and 4096 (16)
     if (k // 8 + 31) // 32 <= 12:
         ctx.enqueue_function[gemv_kernel[tokens, 12, staged]](
-            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32, attributes=pdl_attributes()
+            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32,
+            attributes=pdl_attributes(tokens == 1),
         )
     else:
         ctx.enqueue_function[gemv_kernel[tokens, GEMV_MAX_CHUNKS, staged]](
-            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32, attributes=pdl_attributes()
+            y, x, w, bias, Int64(n), Int64(k), grid_dim=grid, block_dim=GEMV_WARPS * 32,
+            attributes=pdl_attributes(tokens == 1),
         )
 
 

@@ -1160,7 +1160,8 @@ def _launch_gate_up[
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + warps * 16 - 1) // (warps * 16), n_pairs if one_token else min(n_experts, n_pairs)),
-        block_dim=warps * 32, attributes=pdl_attributes()
+        block_dim=warps * 32,
+        attributes=pdl_attributes(tokens == 1),
     )
 
 
@@ -1189,7 +1190,8 @@ def _launch_gate_up_lean[
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + 15) // 16, top_k),
-        block_dim=LEAN_KS * 32, attributes=pdl_attributes()
+        block_dim=LEAN_KS * 32,
+        attributes=pdl_attributes(True),
     )
 
 
@@ -1310,7 +1312,8 @@ def _launch_down[
         output, partial, counters, h, ids, wts, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
         grid_dim=((hidden + warps // ksplit * 16 - 1) // (warps // ksplit * 16), min(n_experts, n_pairs)),
-        block_dim=warps * 32, attributes=pdl_attributes()
+        block_dim=warps * 32,
+        attributes=pdl_attributes(tokens == 1),
     )
 
 
@@ -1343,7 +1346,8 @@ def launch_down[
             output, h, ids, wts, blocks, scales, bias,
             Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
             grid_dim=(hidden + 15) // 16,
-            block_dim=MAX_TOPK * DOWN_KSPLIT_FEW * 32, attributes=pdl_attributes()
+            block_dim=MAX_TOPK * DOWN_KSPLIT_FEW * 32,
+            attributes=pdl_attributes(True),
         )
     elif tokens <= FEW_TOKENS:
         _launch_down[out_dtype, DOWN_WARPS_FEW, DOWN_KSPLIT_FEW](

@@ -1,20 +1,26 @@
-# Programmatic dependent launch (PDL, sm_90+) for the decode-step kernels.
+# Programmatic dependent launch (PDL, sm_90+) for one-token decode steps.
 #
-# A kernel launched with `pdl_attributes()` may be scheduled while the kernel
-# before it in the stream still runs, once every block of that one has
-# executed `griddepcontrol.launch_dependents`. Every kernel launched this way
-# calls `pdl_enter()` as its first statement: `griddepcontrol.wait` blocks
-# until the previous grid has completed and its memory is visible, and only
-# then does the block signal its own dependents. So no block reads or writes
-# anything before all earlier kernels are done (the same order as plain
-# stream serialization); what overlaps is the launch and the blocks'
-# placement on the SMs, which otherwise wait for the previous grid's drain.
-# A kernel after ours that is launched without the attribute (MAX's) is
-# serialized as usual; ours after one of MAX's (which does not signal) starts
-# when that one ends.
+# A kernel launched with the programmatic-serialization attribute may be
+# scheduled while the kernel before it in the stream still runs, once every
+# block of that one has executed `griddepcontrol.launch_dependents`. Each of
+# our decode-step kernels calls `pdl_enter()` as its first statement:
+# `griddepcontrol.wait` blocks until the previous grid has completed and its
+# memory is visible, and only then does the block signal its own dependents.
+# So no block loads or stores anything before every earlier kernel is done
+# (the order of plain stream serialization); what overlaps is the launch and
+# the blocks' placement on the SMs, which otherwise wait for the previous
+# grid's drain. A kernel after ours launched without the attribute (MAX's)
+# is serialized as usual; ours after one of MAX's (which does not signal)
+# starts when that one ends. Without the attribute both instructions return
+# at once.
 #
-# GPTOSS_MAX_PDL=0 launches without the attribute (the instructions then
-# return at once), for A/B timing.
+# Measured (H100, bench/NOTES.md "PDL"): +0.8-0.9 % decode tok/s at batch 1
+# (20b and 120b, CUDA graphs), −1.7 % at 20b batch 64; so only one-token
+# steps launch with it. Loading weights or earlier steps' keys before the wait
+# (which the rule above allows for data the previous grid does not write)
+# cost 10 % at batch 1, so every kernel waits first.
+#
+# GPTOSS_MAX_PDL=0 launches without the attribute, for A/B timing.
 
 from max.gpu.host.launch_attribute import LaunchAttribute, LaunchAttributeID, LaunchAttributeValue
 from std.os import getenv
@@ -30,9 +36,10 @@ def pdl_enter():
         inlined_assembly["griddepcontrol.launch_dependents;", NoneType, constraints="~{memory}", has_side_effect=True]()
 
 
-def pdl_attributes() -> List[LaunchAttribute]:
-    """Launch attributes of a kernel that starts with `pdl_enter()`."""
+def pdl_attributes(one_token: Bool) -> List[LaunchAttribute]:
+    """Launch attributes of a kernel that starts with `pdl_enter()`: PDL for
+    one-token steps (unless GPTOSS_MAX_PDL=0), none otherwise."""
     var attrs = List[LaunchAttribute]()
-    if getenv("GPTOSS_MAX_PDL", "1") != "0":
+    if one_token and getenv("GPTOSS_MAX_PDL", "1") != "0":
         attrs.append(LaunchAttribute(LaunchAttributeID.PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttributeValue(True)))
     return attrs^

@@ -295,11 +295,13 @@ def _launch_warps[
     # gpt-oss's hidden is 2880: 12 chunks per lane
     if (k // 8 + 31) // 32 <= 12:
         ctx.enqueue_function[router_decode_kernel[tokens, 12, WARPS, MINB]](
-            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32, attributes=pdl_attributes()
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32,
+            attributes=pdl_attributes(tokens == 1),
         )
     else:
         ctx.enqueue_function[router_decode_kernel[tokens, RD_MAX_CHUNKS, WARPS, MINB]](
-            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32, attributes=pdl_attributes()
+            h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=WARPS * 32,
+            attributes=pdl_attributes(tokens == 1),
         )
 
 
@@ -328,7 +330,8 @@ def _launch[
             var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
             var grid = min((n + W - 1) // W, sms * RD_STREAM_MINB)
             ctx.enqueue_function[router_decode_stream_kernel[12, W, RD_STREAM_MINB]](
-                h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=W * 32, attributes=pdl_attributes()
+                h, xn, lg, a, r, g, w, b, Int64(n), Int64(k), eps, grid_dim=grid, block_dim=W * 32,
+                attributes=pdl_attributes(True),
             )
             return
     if n >= RD_WIDE_ROWS:
@@ -410,7 +413,10 @@ def _launch_norm_then_tc(
 ) raises:
     """Steps past RD_MAX_TOKENS: the add and the norm (a block per token), then the projection of
     xn on tensor cores (gemv.mojo). Not parametric, so the package build checks it on any host."""
-    ctx.enqueue_function[add_norm_kernel](h, xn, a, r, g, Int64(k), eps, grid_dim=tokens, block_dim=AN_THREADS, attributes=pdl_attributes())
+    ctx.enqueue_function[add_norm_kernel](
+        h, xn, a, r, g, Int64(k), eps, grid_dim=tokens, block_dim=AN_THREADS,
+        attributes=pdl_attributes(tokens == 1),
+    )
     launch_tc(ctx, lg, xn.unsafe_mut_cast[False]().unsafe_origin_cast[ImmutAnyOrigin](), w, b, tokens, n, k)
 
 

@@ -211,7 +211,8 @@ def _launch[
         Int64(n_experts),
         Int64(top_k),
         grid_dim=(tokens + ROUTER_WARPS - 1) // ROUTER_WARPS,
-        block_dim=ROUTER_WARPS * 32, attributes=pdl_attributes()
+        block_dim=ROUTER_WARPS * 32,
+        attributes=pdl_attributes(tokens == 1),
     )
 
 
