@@ -32,6 +32,7 @@ from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
 from std.collections import Array
 from std.math import exp2
 from std.memory import bitcast, stack_allocation
+
 from .pdl import pdl_attributes, pdl_enter
 
 comptime SPLIT_TOKENS = 16

@@ -11,6 +11,7 @@ from std.collections import Array
 from std.memory import bitcast, stack_allocation
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
+
 from .pdl import pdl_attributes, pdl_enter
 
 # Dense bf16 projections of decode steps: y = x W^T + b (W [N, K] row-major,

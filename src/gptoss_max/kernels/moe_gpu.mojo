@@ -66,8 +66,8 @@ from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
-from .router_topk import warp_topk
 from .pdl import pdl_attributes, pdl_enter
+from .router_topk import warp_topk
 
 # Warps per block (a 16-row tile per warp, or per ksplit warps in down). For
 # 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share

@@ -11,6 +11,7 @@ from std.memory import bitcast
 from std.sys import llvm_intrinsic
 from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
+
 from .pdl import pdl_attributes, pdl_enter
 
 # The MoE router's tail in one op: top-k of each token's expert logits, then
