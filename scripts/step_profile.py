@@ -283,6 +283,19 @@ def split_at_gaps(events: list[KernelEvent], windows: list[Window]) -> dict[Wind
 # Aggregation
 
 
+BY_CALL_MAX = 64  # calls per step up to which a kernel row lists its mean time per call position
+
+
+def by_call(steps: list[list[float]], n_steps: int) -> list[float] | None:
+    """The mean duration of a kernel's k-th call of a step, over the steps (µs), e.g. layer by
+    layer, or sliding-window against full attention layers; None unless every one of the n_steps
+    steps made the same number of calls (at most BY_CALL_MAX)."""
+    counts = {len(d) for d in steps}
+    if len(steps) != n_steps or len(counts) != 1 or counts.pop() > BY_CALL_MAX:
+        return None
+    return [round(sum(col) / n_steps, 2) for col in zip(*steps, strict=True)]
+
+
 def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict[str, Any]:
     """Per phase: per-step figures (means over its profiled steps), rows per category and per
     kernel name. Times in µs."""
@@ -294,8 +307,16 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
         cat_us: dict[str, float] = {}
         cat_calls: dict[str, int] = {}
         names: dict[tuple[str, str], list[float]] = {}
+        # per kernel name, each step's durations in launch order (the k-th call of a step is the
+        # same layer's in every step)
+        calls: dict[str, list[list[float]]] = {}
         for w in sorted(wins, key=lambda w: w.index):
             evs = by_window[w]
+            in_step: dict[str, list[float]] = {}
+            for e in sorted(evs, key=lambda e: e.start_us):
+                in_step.setdefault(e.name, []).append(e.dur_us)
+            for name, durs in in_step.items():
+                calls.setdefault(name, []).append(durs)
             busy = sum(e.dur_us for e in evs)
             span = (max(e.start_us + e.dur_us for e in evs) - min(e.start_us for e in evs)) if evs else 0.0
             per_step.append(
@@ -335,6 +356,7 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
                 "calls_per_step": round(len(d) / n, 2),
                 "mean_us": round(sum(d) / len(d), 2),
                 "share": round(sum(d) / busy_total, 4),
+                "by_call_us": by_call(calls[name], n),
             }
             for (name, c), d in names.items()
         ]

@@ -123,6 +123,7 @@ def _check_summary(phases):
     top = dec["kernels"][0]
     assert (top["name"], top["category"], top["us_per_step"]) == (GATE_UP, "moe_decode_gate_up", 20)
     assert top["calls_per_step"] == 2 and top["mean_us"] == 10
+    assert top["by_call_us"] == [10, 10]  # layer 0's call, then layer 1's, averaged over the steps
     pre = phases["prefill"]
     assert {r["category"]: r["us_per_step"] for r in pre["categories"]} == {"moe_prefill": 400, "matmul": 50}
     assert pre["gpu_span_us_per_step"] == 550 and pre["wall_us_per_step"] == 5000
@@ -223,3 +224,12 @@ def test_help_and_no_gpu(capsys):
         sp.main(["--model", "synthetic:20b", "--out", "/nonexistent"])
     assert e.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_by_call_averages_each_call_position_over_the_steps():
+    # a full-attention layer (3 us, 5 us) then a sliding one (1 us, 2 us) in each of two steps
+    assert sp.by_call([[3.0, 1.0], [5.0, 2.0]], 2) == [4.0, 1.5]
+    # a step that ran the kernel a different number of times, or not at all, has no positions
+    assert sp.by_call([[3.0, 1.0], [5.0]], 2) is None
+    assert sp.by_call([[3.0, 1.0]], 2) is None
+    assert sp.by_call([[1.0] * (sp.BY_CALL_MAX + 1)], 1) is None
