@@ -311,12 +311,8 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
         # same layer's in every step)
         calls: dict[str, list[list[float]]] = {}
         for w in sorted(wins, key=lambda w: w.index):
-            evs = by_window[w]
+            evs = sorted(by_window[w], key=lambda e: e.start_us)
             in_step: dict[str, list[float]] = {}
-            for e in sorted(evs, key=lambda e: e.start_us):
-                in_step.setdefault(e.name, []).append(e.dur_us)
-            for name, durs in in_step.items():
-                calls.setdefault(name, []).append(durs)
             busy = sum(e.dur_us for e in evs)
             span = (max(e.start_us + e.dur_us for e in evs) - min(e.start_us for e in evs)) if evs else 0.0
             per_step.append(
@@ -334,6 +330,9 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
                 cat_us[c] = cat_us.get(c, 0.0) + e.dur_us
                 cat_calls[c] = cat_calls.get(c, 0) + 1
                 names.setdefault((e.name, c), []).append(e.dur_us)
+                in_step.setdefault(e.name, []).append(e.dur_us)
+            for name, durs in in_step.items():
+                calls.setdefault(name, []).append(durs)
         busy_total = sum(cat_us.values()) or 1.0
         categories = []
         for c, what in CATEGORIES:
