@@ -35,6 +35,12 @@ overlap pipeline runs a step's kernels while the host prepares the next, so per-
 blur. The default is therefore off. With it on, the script warns (and writes
 `graph_kernels_visible: false`) when a decode step shows fewer kernels than layers.
 
+Programmatic dependent launch (kernels/pdl.mojo) is off by default here (`--pdl off` sets
+GPTOSS_MAX_PDL=0): under PDL a kernel is placed on the SMs while the one before it still runs and
+waits there, so its recorded duration includes that wait (20b batch 1, H100: the attention merge
+1.85 us per call without PDL, 7.7 with it; the qkv head 12.9 against 16.2) and per-kernel times
+stop adding up to the step. `--pdl on` profiles the launches as served.
+
 Also recorded, before the pipeline loads: the device's free memory as CUDA and as MAX's
 `Device.stats` report it (docs/GPU.md: MAX plans the KV cache from the latter).
 
@@ -552,6 +558,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup_steps": args.warmup_steps,
         "graph_capture": args.graph_capture == "on",
         "graph_kernels_visible": visible,
+        "pdl": args.pdl == "on",
         "attention": settings.attention_impl(),
         "moe_path": os.environ.get("GPTOSS_MAX_MOE_PATH", "auto"),
         "router": settings.router_impl(),
@@ -599,6 +606,12 @@ def parser() -> argparse.ArgumentParser:
         default="off",
         help="decode steps replay MAX's captured device graphs (default off: see above)",
     )
+    p.add_argument(
+        "--pdl",
+        choices=["off", "on"],
+        default="off",
+        help="programmatic dependent launch of one-token steps (default off: durations then exclude the wait)",
+    )
     p.add_argument("--encoding", default=None, help="MAX encoding of the dense weights (default bfloat16)")
     p.add_argument(
         "--kv-memory-fraction",
@@ -619,6 +632,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.argv = argv
+    # Read by our kernels' launchers on the host at every launch (kernels/pdl.mojo).
+    os.environ["GPTOSS_MAX_PDL"] = "1" if args.pdl == "on" else "0"
     if args.steps < 1 or args.batch < 1 or args.context < 1:
         raise SystemExit("--steps, --batch and --context must be positive")
     return run(args)

@@ -3,6 +3,8 @@ profiler exports to kernel events and step windows, events to steps, and the per
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from script_loader import load_script
@@ -224,6 +226,16 @@ def test_help_and_no_gpu(capsys):
         sp.main(["--model", "synthetic:20b", "--out", "/nonexistent"])
     assert e.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "env"), [([], "0"), (["--pdl", "off"], "0"), (["--pdl", "on"], "1")])
+def test_pdl_is_off_unless_asked(monkeypatch, flag, env):
+    # the launchers read GPTOSS_MAX_PDL at each launch: it must be set before the model runs
+    monkeypatch.setenv("GPTOSS_MAX_PDL", "unset")
+    seen = {}
+    monkeypatch.setattr(sp, "run", lambda args: seen.update(env=os.environ["GPTOSS_MAX_PDL"], pdl=args.pdl) or 0)
+    assert sp.main(flag) == 0
+    assert seen["env"] == env and seen["pdl"] == ("on" if env == "1" else "off")
 
 
 def test_by_call_averages_each_call_position_over_the_steps():
