@@ -25,6 +25,30 @@ def test_prefill_waves_respect_the_token_budget():
     assert e2e.waves([9000, 10, 10], 8192) == [[0], [1, 2]]  # an oversized prompt still goes, alone
 
 
+@pytest.mark.parametrize("poll", [False, True])
+def test_peak_memory_samples_around_a_timed_run_unless_polling(monkeypatch, poll):
+    calls = []
+    readings = iter([5, 9, 7, 7, 7, 7, 7, 7, 7, 7])
+
+    def used(self):
+        calls.append(time.perf_counter())
+        return next(readings, 7) << 20
+
+    monkeypatch.setattr(e2e.PeakMemory, "_used", used)
+    monitor = e2e.PeakMemory(gpu=True, poll=poll)
+    with monitor:
+        # without polling nothing runs beside the timed work: exactly one sample before it
+        assert (monitor._thread is None) == (not poll)
+        if not poll:
+            assert len(calls) == 1
+        time.sleep(0.05)
+    assert monitor._thread is None
+    if not poll:
+        assert len(calls) == 2 and monitor.peak == 9 << 20  # the sample on exit counts
+    else:
+        assert len(calls) >= 1 and monitor.peak >= 5 << 20
+
+
 def test_device_names_and_rows_merge():
     assert e2e.device_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert e2e.device_slug("NVIDIA H200") == "h200"
@@ -54,7 +78,7 @@ def test_stock_variants():
 
 def _args(**kw):
     base = dict(device="cpu", prompt_len=8, output_len=2, warmup_tokens=0, batch=[1], max_length=None,
-                max_batch_input_tokens=None, kv_memory_fraction=None)  # fmt: skip
+                max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll="outside")  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -98,7 +122,7 @@ def test_a_stopped_bench_takes_its_worker_with_it(tmp_path):
     code = (
         "import argparse; from pathlib import Path; from gptoss_max import e2e; "
         "a = argparse.Namespace(device='cpu', prompt_len=8, output_len=2, warmup_tokens=0, batch=[1], "
-        "max_length=None, max_batch_input_tokens=None, kv_memory_fraction=None); "
+        "max_length=None, max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll='outside'); "
         f"e2e.run_worker(a, 'stock', 'synthetic:tiny', None, False, 600, Path({str(tmp_path)!r}))"
     )
     env = dict(os.environ)

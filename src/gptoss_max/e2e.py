@@ -88,10 +88,14 @@ def device_slug(name: str | None) -> str:
 
 
 class PeakMemory:
-    """Peak device memory in use while it runs: nvidia-smi every 0.2 s, else MAX's device stats."""
+    """Peak device memory in use while it runs: nvidia-smi every 0.2 s, else MAX's device stats.
 
-    def __init__(self, gpu: bool):
+    With `poll=False` it samples once on entry and once on exit instead: an nvidia-smi call during
+    a timed decode stalls it (bench/NOTES.md, "e2e noise")."""
+
+    def __init__(self, gpu: bool, poll: bool = True):
         self.gpu = gpu
+        self.poll = poll
         self.peak: int | None = None
         self.source: str | None = None
         self._stop = threading.Event()
@@ -115,14 +119,20 @@ class PeakMemory:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            used = self._used()
-            if used is not None:
-                self.peak = max(self.peak or 0, used)
+            self._sample()
             self._stop.wait(0.2)
+
+    def _sample(self) -> None:
+        used = self._used()
+        if used is not None:
+            self.peak = max(self.peak or 0, used)
 
     def __enter__(self) -> PeakMemory:
         if self.gpu:
             self.peak = None
+            if not self.poll:
+                self._sample()
+                return self
             self._stop.clear()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
@@ -132,6 +142,9 @@ class PeakMemory:
         if self._thread:
             self._stop.set()
             self._thread.join()
+            self._thread = None
+        elif self.gpu:
+            self._sample()
 
 
 def measure_bandwidth(gpu: bool, nbytes: int = 1 << 30, iters: int = 20) -> dict[str, Any]:
@@ -344,13 +357,21 @@ def worker(args: argparse.Namespace) -> int:
     )
     save()
     budget = args.max_batch_input_tokens or 8192
+    result["memory_poll"] = args.memory_poll
     for b in args.batch:
+        warm_peak = None
         if args.warmup_tokens:  # first-use costs; a full-length prompt only where TTFT is the figure (batch 1)
             warm_len = args.prompt_len if b == 1 else min(args.prompt_len, 64)
-            run_batch(engine, prompts(b, warm_len, 1000 + b), args.warmup_tokens, budget)
+            with monitor:
+                run_batch(engine, prompts(b, warm_len, 1000 + b), args.warmup_tokens, budget)
+            warm_peak = monitor.peak
+        # "outside": the timed run is only sampled before and after (MAX plans its memory up front,
+        # and the warm-up above, polled, runs the same shapes); "during": polled as it runs.
+        monitor.poll = args.memory_poll == "during"
         with monitor:
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
-        row["peak_memory_bytes"] = monitor.peak
+        monitor.poll = True
+        row["peak_memory_bytes"] = max((p for p in (warm_peak, monitor.peak) if p is not None), default=None)
         result["batches"].append(row)
         print(
             f"[{args.arch}{' graph-capture' if args.worker_graph_capture else ''}] batch {b}: "
@@ -456,6 +477,8 @@ def run_worker(
         str(args.output_len),
         "--warmup-tokens",
         str(args.warmup_tokens),
+        "--memory-poll",
+        args.memory_poll,
         "--batch",
         *map(str, args.batch),
     ]
@@ -767,6 +790,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds for our pipeline's worker (default: none)")
     p.add_argument("--stock-timeout", type=float, default=600, help="seconds for each stock pipeline worker")
     p.add_argument("--warmup-tokens", type=int, default=4, help="an untimed batch of this many tokens first (0: none)")
+    p.add_argument(
+        "--memory-poll",
+        choices=["outside", "during"],
+        default="outside",
+        help="peak GPU memory: polled during the warm-up batch and sampled around the timed one (default), "
+        "or polled during the timed batch too (nvidia-smi calls then stall its decode)",
+    )
     p.add_argument(
         "--max-length", type=int, default=None, help="context the pipeline plans for (default: prompt + output + 16)"
     )
