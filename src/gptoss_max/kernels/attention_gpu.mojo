@@ -31,6 +31,7 @@ from max.gpu.memory import AddressSpace
 from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
 from std.collections import Array
 from std.math import exp2
+from std.os import getenv
 from std.memory import bitcast, stack_allocation
 
 from .pdl import pdl_attributes, pdl_enter
@@ -586,6 +587,11 @@ def _launch_tc[
 ) raises:
     """attention_tc_kernel (+ the merge when the keys are split)."""
     var few = tokens > 1 and tokens * splits <= SPLIT_TOKENS
+    if tokens == 1:
+        # A/B switch for one-token steps: 8 warps in sliding-window layers
+        # (one 16-key chunk each instead of two), or in every layer.
+        var one = getenv("GPTOSS_MAX_ATTN_ONE_WARPS", "4")
+        few = one == "8" or (one == "window8" and window > 0)
     comptime for wi in range(2):
         comptime warps = TC_WARPS_FEW if wi == 0 else TC_WARPS_MANY
         if few == (wi == 0):
