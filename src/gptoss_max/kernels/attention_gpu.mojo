@@ -256,9 +256,11 @@ def attention_split_kernel[
 # head) take the tensor-core kernel; others the CUDA-core one above.
 comptime USE_TENSOR_CORES = True
 # Warps per block: 8 for steps of 2 to 16 rows while they have few blocks
-# (batch 8 at 1k: 13.4 us per layer against 18.9 with 4), else 4 (batch 64:
-# 48 us against 53 with 8; batch 1: 8 warps were faster alone, 7.9 against
-# 8.3 us, but slower inside the end-to-end decode, 3.67 against 3.55 ms).
+# (batch 8 at 1k: 13.4 us per layer against 18.9 with 4) and for one-token
+# steps (20b batch 1, H100: a sliding-window layer 8.2 -> 6.9 us, a full one
+# 6.9 -> 6.2; end to end 494 -> 505 tok/s; an older reading the other way,
+# 120b 3.67 against 3.55 ms, was taken while nvidia-smi polled during the
+# timed decode: bench/NOTES.md), else 4 (batch 64: 48 us against 53).
 comptime TC_WARPS_FEW = 8
 comptime TC_WARPS_MANY = 4
 comptime TC_HEADS = 8
@@ -588,10 +590,10 @@ def _launch_tc[
     """attention_tc_kernel (+ the merge when the keys are split)."""
     var few = tokens > 1 and tokens * splits <= SPLIT_TOKENS
     if tokens == 1:
-        # A/B switch for one-token steps: 8 warps in sliding-window layers
-        # (one 16-key chunk each instead of two), or in every layer.
-        var one = getenv("GPTOSS_MAX_ATTN_ONE_WARPS", "4")
-        few = one == "8" or (one == "window8" and window > 0)
+        # One-token steps: 8 warps too (GPTOSS_MAX_ATTN_ONE_WARPS: `8`, the
+        # default; `window8`: only in sliding-window layers; `4`: none).
+        var one = getenv("GPTOSS_MAX_ATTN_ONE_WARPS", "8")
+        few = one != "4" and (one != "window8" or window > 0)
     comptime for wi in range(2):
         comptime warps = TC_WARPS_FEW if wi == 0 else TC_WARPS_MANY
         if few == (wi == 0):
