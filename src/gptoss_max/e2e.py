@@ -90,8 +90,9 @@ def device_slug(name: str | None) -> str:
 class PeakMemory:
     """Peak device memory in use while it runs: nvidia-smi every 0.2 s, else MAX's device stats.
 
-    With `poll=False` it samples once on entry and once on exit instead: an nvidia-smi call during
-    a timed decode stalls it (bench/NOTES.md, "e2e noise")."""
+    With `poll=False` it samples once on entry and once on exit instead: nvidia-smi calls during a
+    timed decode are the suspected cause of stalls that cost some runs up to 20 % (bench/NOTES.md,
+    "The e2e noise")."""
 
     def __init__(self, gpu: bool, poll: bool = True):
         self.gpu = gpu
@@ -367,11 +368,10 @@ def worker(args: argparse.Namespace) -> int:
             warm_peak = monitor.peak
         # "outside": the timed run is only sampled before and after (MAX plans its memory up front,
         # and the warm-up above, polled, runs the same shapes); "during": polled as it runs.
-        monitor.poll = args.memory_poll == "during"
-        with monitor:
+        timed = PeakMemory(gpu, poll=args.memory_poll == "during")
+        with timed:
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
-        monitor.poll = True
-        row["peak_memory_bytes"] = max((p for p in (warm_peak, monitor.peak) if p is not None), default=None)
+        row["peak_memory_bytes"] = max((p for p in (warm_peak, timed.peak) if p is not None), default=None)
         result["batches"].append(row)
         print(
             f"[{args.arch}{' graph-capture' if args.worker_graph_capture else ''}] batch {b}: "
@@ -795,7 +795,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["outside", "during"],
         default="outside",
         help="peak GPU memory: polled during the warm-up batch and sampled around the timed one (default), "
-        "or polled during the timed batch too (nvidia-smi calls then stall its decode)",
+        "or polled during the timed batch too (suspected of stalling its decode)",
     )
     p.add_argument(
         "--max-length", type=int, default=None, help="context the pipeline plans for (default: prompt + output + 16)"
