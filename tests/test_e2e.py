@@ -25,6 +25,19 @@ def test_prefill_waves_respect_the_token_budget():
     assert e2e.waves([9000, 10, 10], 8192) == [[0], [1, 2]]  # an oversized prompt still goes, alone
 
 
+def test_step_spread_separates_a_few_stalled_steps_from_the_median():
+    # ten 2 ms steps, one of them 30 ms: the mean moves, the median does not
+    start = 100.0
+    ends, t = [], start
+    for k in range(10):
+        t += 0.030 if k == 6 else 0.002
+        ends.append(t)
+    s = e2e.step_spread(start, [start - 0.1, *ends])  # a prefill-time return before the start is ignored
+    assert s["tpot_p50_ms"] == pytest.approx(2.0) and s["tpot_max_ms"] == pytest.approx(30.0)
+    assert s["slow_steps"] == 1 and 2.0 < s["tpot_p90_ms"] <= 30.0
+    assert e2e.step_spread(start, [])["tpot_p50_ms"] is None
+
+
 @pytest.mark.parametrize("poll", [False, True])
 def test_peak_memory_samples_around_a_timed_run_unless_polling(monkeypatch, poll):
     calls = []
@@ -169,6 +182,11 @@ def test_bench_smoke_on_cpu(tmp_path):
     (run,) = result["runs"].values()
     worker = run["workers"]["ours"]
     assert [b["tokens_per_row_min"] for b in worker["batches"]] == [6, 6]  # EOS ignored: every row runs out
+    for b, r in zip(worker["batches"], rows, strict=True):
+        # 5 decode steps each; their median and maximum bracket the mean TPOT
+        assert 0 < b["tpot_p50_ms"] <= b["tpot_max_ms"] and b["tpot_p50_ms"] <= b["tpot_p90_ms"] <= b["tpot_max_ms"]
+        assert b["tpot_max_ms"] >= b["tpot_ms"] * 0.999 and 0 <= b["slow_steps"] <= 5
+        assert len(b["gc_collections"]) == 3 and r["tpot_p50_ms"] == round(b["tpot_p50_ms"], 3)
     assert worker["kv_bytes_per_token"] == memory.kv_bytes_per_token(PRESETS["tiny"], 4)  # MAX's cache = our plan
     assert worker["memory_plan"]["kv_cache_bytes"] > 0
     assert run["memory_plan"]["per_batch"]["1"]["weights_bytes"] == sum(

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import gc
 import json
 import logging
 import os
@@ -249,6 +250,7 @@ def run_batch(
         pipeline.release(c.request_id)
 
     steps = {"prefill": 0, "decode": 0}
+    decode_ends: list[float] = []  # when each decode step returned (its tokens on the host)
 
     def step(rows: list[int], phase: str) -> None:
         k = steps[phase]
@@ -260,6 +262,8 @@ def run_batch(
                 batch.append(live[row])
             outputs = pipeline.execute(maxapi.TextGenerationInputs(batches=[batch]))
         now = time.perf_counter()
+        if phase == "decode":
+            decode_ends.append(now)
         for rid, out in outputs.items():
             hit = index.get(rid)
             if hit is None or hit not in live:
@@ -273,6 +277,13 @@ def run_batch(
             if out.is_done:
                 release(row)
 
+    collections = [0, 0, 0]  # Python's garbage collections by generation while the batch ran
+
+    def count_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections[info["generation"]] += 1
+
+    gc.callbacks.append(count_gc)
     try:
         for row, c in enumerate(contexts):
             kv.claim(c, replica_idx=0)
@@ -284,6 +295,7 @@ def run_batch(
             step(list(live), "decode")
         t_end = time.perf_counter()
     finally:
+        gc.callbacks.remove(count_gc)
         for row in list(live):
             release(row)
     rows = len(contexts)
@@ -299,6 +311,26 @@ def run_batch(
         "decode_tok_s": (sum(count) - rows) / decode_s if decode_s > 0 else None,
         "e2e_output_tok_s": sum(count) / (t_end - t0),
         "seconds": t_end - t0,
+        **step_spread(decode_start, decode_ends),
+        "gc_collections": collections,
+    }
+
+
+def step_spread(decode_start: float, decode_ends: list[float]) -> dict[str, Any]:
+    """The decode steps' own times (each from the previous step's return, the first from the
+    last first token): median, 90th percentile and maximum in ms, and how many took more than
+    twice the median. tpot_ms is their mean; a mean well above the median says a few slow steps
+    (host stalls) moved it, not the kernels."""
+    ends = [t for t in decode_ends if t > decode_start]
+    if not ends:
+        return {"tpot_p50_ms": None, "tpot_p90_ms": None, "tpot_max_ms": None, "slow_steps": 0}
+    dt = 1e3 * np.diff(np.array([decode_start, *ends]))
+    p50 = float(np.median(dt))
+    return {
+        "tpot_p50_ms": p50,
+        "tpot_p90_ms": float(np.percentile(dt, 90)),
+        "tpot_max_ms": float(dt.max()),
+        "slow_steps": int((dt > 2 * p50).sum()),
     }
 
 
@@ -375,7 +407,9 @@ def worker(args: argparse.Namespace) -> int:
         result["batches"].append(row)
         print(
             f"[{args.arch}{' graph-capture' if args.worker_graph_capture else ''}] batch {b}: "
-            f"{row['decode_tok_s'] or 0:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms",
+            f"{row['decode_tok_s'] or 0:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms"
+            f" (median {row['tpot_p50_ms'] or 0:.2f}, max {row['tpot_max_ms'] or 0:.2f}, {row['slow_steps']} steps"
+            f" over twice the median, garbage collections {row['gc_collections']})",
             flush=True,
         )
         save()
@@ -532,7 +566,7 @@ def _rows(
     stock_errors = {enc: res["error"] for enc, res in stock.items() if res.get("error")}
     rows = []
     dense = memory.dtype_bytes(args.encoding or ("bfloat16" if args.gpu else "float32"))
-    for gc, res in ours.items():
+    for capture, res in ours.items():
         measured = by_batch(res)
         for b in args.batch:
             r = measured.get(b, {})
@@ -547,7 +581,11 @@ def _rows(
                 "roofline_tok_s": _round(b * bandwidth / step["total"]) if bandwidth else None,
                 "ttft_ms": _round(r.get("ttft_ms")),
                 "tpot_ms": _round(r.get("tpot_ms"), 3),
-                "graph_capture": gc,
+                "graph_capture": capture,
+                "tpot_p50_ms": _round(r.get("tpot_p50_ms"), 3),
+                "tpot_p90_ms": _round(r.get("tpot_p90_ms"), 3),
+                "tpot_max_ms": _round(r.get("tpot_max_ms"), 3),
+                "slow_steps": r.get("slow_steps"),
                 "peak_gpu_memory_bytes": r.get("peak_memory_bytes"),
                 "e2e_output_tok_s": _round(r.get("e2e_output_tok_s")),
                 "ttft_ms_last_row": _round(r.get("ttft_ms_max")),
@@ -715,10 +753,10 @@ def run(args: argparse.Namespace) -> int:
 
     ours: dict[bool, dict[str, Any]] = {}
     stock: dict[str, dict[str, Any]] = {}
-    for gc in {"off": [False], "on": [True], "both": [False, True]}[args.graph_capture]:
-        res = run_worker(args, "ours", args.model, args.encoding, gc, budget(args.timeout), log_dir)
-        ours[gc] = res
-        run_info["workers"][f"ours{'-graphs' if gc else ''}"] = res
+    for capture in {"off": [False], "on": [True], "both": [False, True]}[args.graph_capture]:
+        res = run_worker(args, "ours", args.model, args.encoding, capture, budget(args.timeout), log_dir)
+        ours[capture] = res
+        run_info["workers"][f"ours{'-graphs' if capture else ''}"] = res
         save(ours, stock)
     if args.stock == "on" or (args.stock == "auto" and args.gpu):
         for enc, model in _stock_variants(args, synthetic, mxfp4):
