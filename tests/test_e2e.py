@@ -69,12 +69,14 @@ def test_device_names_and_rows_merge():
     old = [{"model": "m", "batch": 1, "graph_capture": False, "ours_tok_s": 1.0},
            {"model": "m", "batch": 8, "graph_capture": False, "ours_tok_s": 2.0}]  # fmt: skip
     new = [{"model": "m", "batch": 1, "graph_capture": False, "ours_tok_s": 3.0},
-           {"model": "m", "batch": 1, "graph_capture": True, "ours_tok_s": 4.0}]  # fmt: skip
+           {"model": "m", "batch": 1, "graph_capture": True, "ours_tok_s": 4.0, "tpot_ms": 2.3,
+            "tpot_p50_ms": 1.984, "slow_steps": 7}]  # fmt: skip
     merged = e2e.merge_rows(old, new)
     assert [(r["batch"], r["graph_capture"], r["ours_tok_s"]) for r in merged] == [(1, False, 3.0), (8, False, 2.0),
                                                                                   (1, True, 4.0)]  # fmt: skip
     table = e2e.markdown_table({"device": "NVIDIA H100", "date": "2026-11-21", "rows": merged})
     assert "NVIDIA H100, 2026-11-21" in table and table.count("\n| m |") == 3
+    assert "| 2.3 | 1.984 | 7 |" in table  # the mean TPOT, its median, the slow steps
 
 
 def test_stock_variants():

@@ -7,7 +7,10 @@ tokens (as MAX's scheduler chunks them), then every row decodes together:
 
 - TTFT: mean time from the start to each row's first token (batch 1: the prompt's TTFT);
 - decode tok/s (`ours_tok_s`): tokens generated after every row has its first token, over that
-  time; TPOT: that time over `output-len - 1` steps;
+  time; TPOT: that time over `output-len - 1` steps. Beside it each step's own time (median, 90th
+  percentile, maximum), the steps that took over twice the median, and Python's garbage
+  collections during the batch: a mean above the median means host stalls, not slower kernels,
+  so A/B comparisons read the median;
 - peak GPU memory (nvidia-smi, else MAX's device stats) while the batch runs;
 - roofline: batch / (bytes one decode step reads, memory.decode_step_bytes) x the device's
   measured copy bandwidth.
@@ -618,7 +621,8 @@ def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dic
 def markdown_table(result: dict[str, Any]) -> str:
     head = (
         f"{result.get('device', '?')}, {result.get('date', '?')} (prompt {result.get('prompt_len')}, "
-        f"output {result.get('output_len')} tokens, EOS ignored; tok/s = decode output tokens/s)\n\n"
+        f"output {result.get('output_len')} tokens, EOS ignored; tok/s = decode output tokens/s; TPOT = mean "
+        "decode step, its median beside it; slow steps: over twice the median, host stalls when the two differ)\n\n"
     )
     cols = [
         "model",
@@ -629,6 +633,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         "roofline tok/s",
         "TTFT ms",
         "TPOT ms",
+        "TPOT median ms",
+        "slow steps",
         "peak GPU GB",
     ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -644,6 +650,8 @@ def markdown_table(result: dict[str, Any]) -> str:
             r.get("roofline_tok_s"),
             r.get("ttft_ms"),
             r.get("tpot_ms"),
+            r.get("tpot_p50_ms"),
+            r.get("slow_steps"),
             f"{peak / 1e9:.1f}" if peak else "—",
         ]
         lines.append("| " + " | ".join("—" if c is None else str(c) for c in cells) + " |")
