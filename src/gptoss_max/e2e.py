@@ -95,8 +95,9 @@ class PeakMemory:
     """Peak device memory in use while it runs: nvidia-smi every 0.2 s, else MAX's device stats.
 
     With `poll=False` it samples once on entry and once on exit instead: nvidia-smi calls during a
-    timed decode are the suspected cause of stalls that cost some runs up to 20 % (bench/NOTES.md,
-    "The e2e noise")."""
+    timed decode were suspected of stalls that cost some runs up to 20 % (bench/NOTES.md, "The e2e
+    noise"). Stalls of 10-16 ms steps were later seen without polling too ("Host stalls"): the
+    rows' median TPOT and slow-step count tell them from slower kernels."""
 
     def __init__(self, gpu: bool, poll: bool = True):
         self.gpu = gpu
@@ -841,7 +842,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["outside", "during"],
         default="outside",
         help="peak GPU memory: polled during the warm-up batch and sampled around the timed one (default), "
-        "or polled during the timed batch too (suspected of stalling its decode)",
+        "or polled during the timed batch too (once suspected of stalling its decode)",
     )
     p.add_argument(
         "--max-length", type=int, default=None, help="context the pipeline plans for (default: prompt + output + 16)"
