@@ -79,6 +79,17 @@ def test_device_names_and_rows_merge():
     assert "| 2.3 | 1.984 | 7 |" in table  # the mean TPOT, its median, the slow steps
 
 
+def test_the_plan_takes_the_memory_the_device_reported():
+    """A run plans for the GPU it runs on (a 141 GB H200 was once planned as an 80 GB H100);
+    --gpu-memory-gib overrides it, --plan alone falls back to an idle H100; a CPU plans its host."""
+    gpu = argparse.Namespace(gpu=True, gpu_memory_gib=None)
+    assert e2e.plan_memory(gpu, 150 << 30) == 150 << 30
+    assert e2e.plan_memory(gpu, None) == int(e2e.DEFAULT_GPU_FREE_GIB * 2**30)
+    gpu.gpu_memory_gib = 40.0
+    assert e2e.plan_memory(gpu, 150 << 30) == 40 << 30
+    assert e2e.plan_memory(argparse.Namespace(gpu=False, gpu_memory_gib=40.0), 150 << 30) == e2e._host_memory()
+
+
 def test_stock_variants():
     args = argparse.Namespace(gpu=True, model="synthetic:20b")
     assert e2e._stock_variants(args, SyntheticModel("20b"), True) == [

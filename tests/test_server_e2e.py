@@ -1,6 +1,9 @@
 """The real server (`gptoss-max serve`, MAX's worker, our architecture) with the tiny model.
 
-One server per session: a tiny random checkpoint, CPU, `--max-batch-size 4`. The model is
+One server per session: a tiny random checkpoint, CPU, `--max-batch-size 4`. The same suite runs
+against another model and device when the environment names them, e.g. on a GPU:
+`GPTOSS_MAX_TEST_SERVE_MODEL=synthetic:20b GPTOSS_MAX_TEST_SERVE_DEVICES=gpu
+GPTOSS_MAX_TEST_SERVE_ARGS=--graph-capture pytest tests/test_server_e2e.py` (docs/GPU.md). The model is
 random, so its text is noise; what is checked is everything around it: prompts, parsing,
 usage, the event stream, storage, that dropped streams stop in MAX's worker and release
 their KV cache (bench/load.py at reduced scale), and that
@@ -10,6 +13,7 @@ masking, with reasoning capped at 16 tokens). Compiles a MAX graph (minutes cold
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,6 +36,11 @@ pytestmark = pytest.mark.slow
 MODEL = "gpt-oss-tiny"
 CONTEXT = 2048
 READY_TIMEOUT_S = 900
+# What the server serves: the tiny checkpoint written below unless these name another.
+SERVE_MODEL = os.environ.get("GPTOSS_MAX_TEST_SERVE_MODEL", "")
+SERVE_DEVICES = os.environ.get("GPTOSS_MAX_TEST_SERVE_DEVICES", "cpu")
+SERVE_ARGS = shlex.split(os.environ.get("GPTOSS_MAX_TEST_SERVE_ARGS", ""))
+SERVED = f"{SERVE_MODEL or 'tiny model'}, {SERVE_DEVICES.upper()}{' ' + ' '.join(SERVE_ARGS) if SERVE_ARGS else ''}"
 
 
 def _tail(path, n=60) -> str:
@@ -43,12 +52,15 @@ def live(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     cli = [sys.executable, "-m", "gptoss_max.cli"]
     # MAX's native library setenv()s PYTHONEXECUTABLE (a venv-less python); os.environ does not carry it.
-    subprocess.run([*cli, "make-tiny", str(root / "tiny")], check=True, timeout=300, env=dict(os.environ))
+    model = SERVE_MODEL
+    if not model:
+        model = str(root / "tiny")
+        subprocess.run([*cli, "make-tiny", model], check=True, timeout=300, env=dict(os.environ))
     port, log = free_port(), root / "server.log"
-    args = ["serve", "--model", str(root / "tiny"), "--devices", "cpu", "--port", str(port),
+    args = ["serve", "--model", model, "--devices", SERVE_DEVICES, "--port", str(port),
             "--served-model-name", MODEL, "--max-length", str(CONTEXT), "--max-batch-size", "4",
             "--store", str(root / "responses.sqlite3"), "--enable-bench",
-            "--constrained-reasoning-tokens", "16"]  # fmt: skip
+            "--constrained-reasoning-tokens", "16", *SERVE_ARGS]  # fmt: skip
     env = {**os.environ, "GPTOSS_MAX_DATA": str(root / "data")}
     with open(log, "wb") as out:
         proc = subprocess.Popen([*cli, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -176,14 +188,16 @@ def test_dropped_stream_frees_the_worker(live, client):
     assert _metric(base, "gptoss_cancelled_total") >= cancelled + 1
     after = client.responses.create(model=MODEL, input="Quick.", max_output_tokens=4)
     assert after.status in ("completed", "incomplete")
-    report("disconnect", f"tiny model, CPU: a dropped stream's {held:.0f} KV blocks released {released:.2f} s "
+    report("disconnect", f"{SERVED}: a dropped stream's {held:.0f} KV blocks released {released:.2f} s "
                          f"after the drop (the full generation: ~{per_token * budget:.0f} s)")  # fmt: skip
 
 
 def test_load_and_disconnects_at_reduced_scale(live):
     """bench/load.py against the real server: 16 streams, then 12 clients dropping mid-stream."""
     base, _ = live
-    r = load.run(base, n=16, max_output_tokens=16, json_answer=True, timeout=300)
+    # The worker publishes its KV figures every 0.2 s: on a GPU, 16-token streams end between two
+    # samples (an H200 with synthetic 20b: peak 0 requests seen), so they run longer there.
+    r = load.run(base, n=16, max_output_tokens=16 if SERVE_DEVICES == "cpu" else 512, json_answer=True, timeout=300)
     assert r["improper_errors"] == 0 and r["ok"], r
     assert set(r["outcomes"]) <= {"completed", "incomplete"} and sum(r["outcomes"].values()) == 16
     assert r["ttft_ms"]["n"] == 16 and r["itl_ms"]["n"] > 16 and r["tpot_ms"]["n"] > 0
@@ -196,7 +210,7 @@ def test_load_and_disconnects_at_reduced_scale(live):
     assert kv["released_after_s"] is not None and kv["released_after_s"] < 10
     assert kv["after"]["gptoss_kv_requests"] == 0 and kv["after"]["gptoss_kv_blocks_used"] == 0
     assert d["after_run"]["health"] == 200 and d["ok"]
-    report("load", f"tiny model, CPU, batch 4: 16 streams TTFT p50 {r['ttft_ms']['p50']} ms p99 {r['ttft_ms']['p99']} "
+    report("load", f"{SERVED}, batch 4: 16 streams TTFT p50 {r['ttft_ms']['p50']} ms p99 {r['ttft_ms']['p99']} "
                    f"ms, ITL p50 {r['itl_ms']['p50']} ms p99 {r['itl_ms']['p99']} ms, errors "
                    f"{r['errors_by_kind'] or 'none'}; 12 dropping: cancelled {d['cancelled']:.0f}, KV peak "
                    f"{kv['peak']}, after {kv['after']}, released {kv['released_after_s']} s after the last "
@@ -213,7 +227,7 @@ def timings():
     yield times
     if times:
         mean, worst = sum(times) / len(times), max(times)
-        line = f"tiny model, CPU: {len(times)} constrained requests, mean {mean:.2f} s, max {worst:.2f} s"
+        line = f"{SERVED}: {len(times)} constrained requests, mean {mean:.2f} s, max {worst:.2f} s"
         report("structured", line)
 
 

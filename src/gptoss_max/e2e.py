@@ -153,6 +153,16 @@ class PeakMemory:
             self._sample()
 
 
+def plan_memory(args: argparse.Namespace, measured_free: int | None) -> int:
+    """The memory the printed plan assumes: --gpu-memory-gib, else what the device reported,
+    else an idle 80 GB H100's; on a CPU, the host's."""
+    if not args.gpu:
+        return _host_memory()
+    if args.gpu_memory_gib:
+        return int(args.gpu_memory_gib * 2**30)
+    return measured_free or int(DEFAULT_GPU_FREE_GIB * 2**30)
+
+
 def measure_bandwidth(gpu: bool, nbytes: int = 1 << 30, iters: int = 20) -> dict[str, Any]:
     """Device-to-device copy bandwidth (bytes read + written per second): torch if importable,
     else MAX buffers; on a CPU, a NumPy copy."""
@@ -359,6 +369,10 @@ def worker(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(result, indent=2))
 
     if args.arch == "bandwidth":
+        if uses_gpu(args.device):  # CUDA's free figure, as the plan takes it, before the copy's buffers
+            from gptoss_max import maxapi
+
+            result["device_free_bytes"] = int(maxapi.device_free_memory() / maxapi.memory_manager_share())
         result["bandwidth"] = measure_bandwidth(uses_gpu(args.device))
         save()
         return 0
@@ -713,10 +727,9 @@ def run(args: argparse.Namespace) -> int:
         return merge_only(args)
 
     spec, mxfp4, synthetic = _spec_of(args.model)
-    free_gib = args.gpu_memory_gib or DEFAULT_GPU_FREE_GIB
     if args.plan:  # a GPU's plan unless --device cpu; no device is touched
         args.gpu = args.device != "cpu"
-        print_plans(spec, mxfp4, args, int(free_gib * 2**30) if args.gpu else _host_memory())
+        print_plans(spec, mxfp4, args, plan_memory(args, None))
         return 0
     args.gpu = uses_gpu(args.device)
     name = gpu_name() if args.gpu else None
@@ -752,7 +765,7 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = (bw.get("bandwidth") or {}).get("bytes_per_s")
     run_key = f"{args.model} {args.encoding or 'default'}"
     run_info: dict[str, Any] = {"bandwidth": bw.get("bandwidth"), "workers": {}}
-    run_info["memory_plan"] = print_plans(spec, mxfp4, args, int(free_gib * 2**30) if args.gpu else _host_memory())
+    run_info["memory_plan"] = print_plans(spec, mxfp4, args, plan_memory(args, bw.get("device_free_bytes")))
 
     def save(ours: dict[bool, dict[str, Any]], stock: dict[str, dict[str, Any]]) -> None:
         rows = _rows(args.model, spec, mxfp4, args, bandwidth, ours, stock)
@@ -870,8 +883,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--gpu-memory-gib",
         type=float,
         default=None,
-        help=f"free device memory (CUDA's figure) the plan assumes (default {DEFAULT_GPU_FREE_GIB}: an idle "
-        "80 GB H100); MAX's planner sees 0.9 of it (its memory manager's pool), then applies --kv-memory-fraction",
+        help="free device memory (CUDA's figure) the plan assumes (default: what the device reports in a run; "
+        f"{DEFAULT_GPU_FREE_GIB}, an idle 80 GB H100, with --plan); MAX's planner sees 0.9 of it (its memory "
+        "manager's pool), then applies --kv-memory-fraction",
     )
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--arch", choices=["ours", "stock", "bandwidth"], default="ours", help=argparse.SUPPRESS)

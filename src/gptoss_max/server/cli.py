@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gptoss_max.cli import MODEL_HELP
+
 logger = logging.getLogger("gptoss_max.server")
 
 API_KEY_ENV = "GPTOSS_MAX_API_KEY"
@@ -28,7 +30,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve the Responses API and Harmony chat completions on MAX"
     )
-    p.add_argument("--model", default="auto", help="local checkpoint dir, HF repo id, or auto")
+    p.add_argument("--model", default="auto", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--devices", default="auto", help="auto, cpu, gpu, or gpu:0,1,...")
