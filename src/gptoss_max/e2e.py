@@ -368,15 +368,15 @@ def worker(args: argparse.Namespace) -> int:
     def save() -> None:
         out.write_text(json.dumps(result, indent=2))
 
+    gpu = uses_gpu(args.device)
     if args.arch == "bandwidth":
-        if uses_gpu(args.device):  # CUDA's free figure, as the plan takes it, before the copy's buffers
+        if gpu:  # CUDA's free figure, as the plan takes it, before the copy's buffers
             from gptoss_max import maxapi
 
             result["device_free_bytes"] = int(maxapi.device_free_memory() / maxapi.memory_manager_share())
-        result["bandwidth"] = measure_bandwidth(uses_gpu(args.device))
+        result["bandwidth"] = measure_bandwidth(gpu)
         save()
         return 0
-    gpu = uses_gpu(args.device)
     opts = EngineOptions(
         model=args.model,
         device="gpu" if gpu else "cpu",
