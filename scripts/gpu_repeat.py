@@ -10,11 +10,19 @@ the first run's tokens: whether they are bitwise equal, and the top-2 margin at 
 (a near-tie flipped by rounding, or a real difference). Each run samples with its own seed, as the
 server draws one per request; top-k 1 must make that irrelevant.
 
+To find which piece is not repeatable, `--variant NAME:SETTING=VALUE,...` (repeatable) runs the
+same check once per variant, each in its own process with those run settings (`settings.py`: the
+GPU kernel each piece of the model uses), and `--prefills N` adds N prefill-only passes of A whose
+logits must all equal the first one bitwise: a rate per variant, cheap next to a compile.
+`--deadline` bounds the whole run (a variant that would start too late is skipped, and says so).
+
     export PYTHONPATH=<staged MAX site>:$PWD/src PYTHONUNBUFFERED=1 GPTOSS_MAX_CACHE=<tokenizer cache>
     python3 scripts/gpu_repeat.py --out $OUT                       # synthetic:20b, capture off and on
+    python3 scripts/gpu_repeat.py --out $OUT --capture off --prefills 30 --forced-runs 4 --deadline 560 \
+        --variant default --variant moe_decode:GPTOSS_MAX_MOE_PATH=decode
     python3 scripts/gpu_repeat.py --device cpu --model synthetic:tiny --capture off --out DIR   # smoke
 
-Writes `<out>/repeat_<gpu>_<yyyymmdd>.json`; exit status 1 if a run of A differs.
+Writes `<out>/repeat_<gpu>_<yyyymmdd>.json`; exit status 1 if any run or pass of A differs.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +52,47 @@ def top2_margins(logits: np.ndarray) -> list[float]:
     """Per step, the gap between the largest and the second largest logit."""
     top = np.sort(logits, axis=-1)[:, -2:]
     return [round(float(m), 6) for m in top[:, 1] - top[:, 0]]
+
+
+# What a variant may set: the run settings (settings.RUN_SETTINGS) and the kernels' own switches.
+VARIANT_SETTINGS = (
+    "GPTOSS_MAX_ATTENTION",
+    "GPTOSS_MAX_DENSE",
+    "GPTOSS_MAX_MOE_PATH",
+    "GPTOSS_MAX_QKV_HEAD",
+    "GPTOSS_MAX_ROPE",
+    "GPTOSS_MAX_ROUTER",
+    "GPTOSS_MAX_TOPK",
+    "GPTOSS_MAX_PDL",
+    "GPTOSS_MAX_ATTN_ONE_WARPS",
+)
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`name` or `name:SETTING=VALUE,SETTING=VALUE` -> (name, settings)."""
+    name, _, rest = text.partition(":")
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"variant name must be letters, digits, _ or -: {text!r}")
+    env: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in VARIANT_SETTINGS:
+            raise ValueError(f"bad setting {item!r} in variant {text!r}: SETTING=VALUE with SETTING one of "
+                             f"{', '.join(VARIANT_SETTINGS)}")  # fmt: skip
+        env[key] = value
+    return name, env
+
+
+def compare_passes(passes: list[np.ndarray]) -> dict[str, Any]:
+    """Logits of repeated passes [steps, V] against the first: which differ, at which first step
+    (0: the prompt's own step), by how much."""
+    first = passes[0]
+    differ = []
+    for i, p in enumerate(passes[1:], 1):
+        if not np.array_equal(first, p):
+            steps = np.flatnonzero(np.any(first != p, axis=-1))
+            differ.append({"pass": i, "first_step": int(steps[0]), "max_abs_diff": float(np.max(np.abs(first - p)))})
+    return {"passes": len(passes), "differ": differ}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -71,12 +121,15 @@ def worker(args: argparse.Namespace) -> int:
         out["runs"].append({"prompt": name, "seed": i, "tokens": greedy(a if name == "A" else b, seed=i)})
     forced = out["runs"][0]["tokens"][:-1]
     try:
-        first, second = max_logits(engine, a, forced), max_logits(engine, a, forced)
+        passes = [max_logits(engine, a, forced) for _ in range(max(args.forced_runs, 2))]
         out["logits"] = {
-            "bitwise_equal": bool(np.array_equal(first, second)),
-            "max_abs_diff": float(np.max(np.abs(first - second))),
-            "top2_margin": top2_margins(first),
+            "bitwise_equal": all(np.array_equal(passes[0], p) for p in passes[1:]),
+            "max_abs_diff": float(max(np.max(np.abs(passes[0] - p)) for p in passes[1:])),
+            "top2_margin": top2_margins(passes[0]),
+            **compare_passes(passes),
         }
+        if args.prefills:
+            out["prefill"] = compare_passes([max_logits(engine, a, []) for _ in range(args.prefills)])
     except Exception as exc:  # logits processors need the host every step; graph capture may refuse them
         out["logits"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     Path(args.save).write_text(json.dumps(out))
@@ -84,11 +137,13 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
-    """Where each later run of A first differs from the first one, and the margin there."""
+    """Where each later run of A first differs from the first one, and the margin there; whether
+    every teacher-forced and prefill-only pass gave the first pass's logits bitwise."""
     runs = run["runs"]
     base = runs[0]["tokens"]
     b_at = [r["prompt"] for r in runs].index("B")
-    margins = run.get("logits", {}).get("top2_margin")
+    logits = run.get("logits", {})
+    margins = logits.get("top2_margin")
     diffs = []
     for i, r in enumerate(runs[1:], 1):
         if r["prompt"] != "A":
@@ -96,19 +151,24 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         at = first_difference(base, r["tokens"])
         margin = margins[at] if margins is not None and at is not None and at < len(margins) else None
         diffs.append({"run": i, "after_b": i > b_at, "first_difference": at, "top2_margin_there": margin})
-    return {"repeatable": all(d["first_difference"] is None for d in diffs), "differences": diffs}
+    same_logits = logits.get("bitwise_equal") is not False and not run.get("prefill", {}).get("differ")
+    return {"repeatable": all(d["first_difference"] is None for d in diffs), "logits_repeatable": same_logits,
+            "differences": diffs}  # fmt: skip
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    """One graph-capture mode in its own process (one pipeline per process); its summarized runs."""
-    save, log = args.out / f"repeat_{mode}.json", args.out / f"repeat_{mode}.log"
+def run_mode(args: argparse.Namespace, mode: str, out: Path, env: dict[str, str], timeout: float | None):
+    """One graph-capture mode in its own process (one pipeline per process, `env` added to this
+    one's environment); its summarized runs."""
+    save, log = out / f"repeat_{mode}.json", out / f"repeat_{mode}.log"
     cmd = [sys.executable, __file__, "--worker", mode, "--save", str(save), "--model", args.model, "--device",
            args.device, "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats",
-           str(args.repeats), "--seed", str(args.seed), "--out", str(args.out)]  # fmt: skip
+           str(args.repeats), "--seed", str(args.seed), "--forced-runs", str(args.forced_runs), "--prefills",
+           str(args.prefills), "--out", str(out)]  # fmt: skip
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         try:
-            rc: int | str = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+            rc: int | str = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
+                                           env={**os.environ, **env}).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = "timeout"
     if rc != 0:
@@ -120,8 +180,11 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 def describe(mode: dict[str, Any]) -> str:
     if "error" in mode:
         return f"{mode['error']}: {mode['log_tail'][-1:]}"
+    if "skipped" in mode:
+        return f"skipped: {mode['skipped']}"
     logits = {k: v for k, v in mode["logits"].items() if k != "top2_margin"}
-    return f"repeatable {mode['repeatable']}, {mode['differences']}, logits {logits}"
+    prefill = f", prefill passes {mode['prefill']}" if "prefill" in mode else ""
+    return f"repeatable {mode['repeatable']}, {mode['differences']}, logits {logits}{prefill}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per run")
     ap.add_argument("--repeats", type=int, default=3, help="runs of prompt A before prompt B")
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--forced-runs", type=int, default=2, help="teacher-forced passes along A's first run (>= 2)")
+    ap.add_argument("--prefills", type=int, default=0, help="prefill-only passes of A, compared bitwise")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME[:SETTING=VALUE,...]",
+                    help="run the check once per variant, with these settings (default: one, 'default')")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=None, help="seconds for each mode's process")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run: later modes are skipped")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--worker", choices=["off", "on"], help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
@@ -142,21 +210,41 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.capture != "off" and args.device == "cpu":
         ap.error("graph capture needs a GPU")
+    try:
+        variants = dict(parse_variant(v) for v in args.variant or ["default"])
+    except ValueError as exc:
+        ap.error(str(exc))
+    if len(variants) != len(args.variant or ["default"]):
+        ap.error("variant names must differ")
     from gptoss_max.e2e import device_slug, gpu_name
 
+    start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     name = gpu_name() if args.device == "gpu" else None
     path = args.out / f"repeat_{device_slug(name)}_{datetime.date.today():%Y%m%d}.json"
     command = " ".join(["python3", "scripts/gpu_repeat.py", *(sys.argv[1:] if argv is None else argv)])
     result: dict[str, Any] = {"device": name or "cpu", "date": datetime.date.today().isoformat(), "command": command,
                               "model": args.model, "prompt_len": args.prompt_len, "tokens": args.tokens,
-                              "modes": {}}  # fmt: skip
+                              "variants": {}}  # fmt: skip
     ok = True
-    for mode in ["off", "on"] if args.capture == "both" else [args.capture]:
-        result["modes"][mode] = run_mode(args, mode)
-        ok &= result["modes"][mode].get("repeatable", False)
-        print(f"graph capture {mode}: {describe(result['modes'][mode])}", flush=True)
-        path.write_text(json.dumps(result, indent=2))
+    for vname, env in variants.items():
+        entry: dict[str, Any] = {"settings": env, "modes": {}}
+        result["variants"][vname] = entry
+        out = args.out / vname if len(variants) > 1 else args.out
+        out.mkdir(parents=True, exist_ok=True)
+        for mode in ["off", "on"] if args.capture == "both" else [args.capture]:
+            left = None if args.deadline is None else args.deadline - (time.perf_counter() - start)
+            if left is not None and left < 30:
+                entry["modes"][mode] = {"skipped": f"{args.deadline:.0f} s deadline reached"}
+                ok = False
+            else:
+                limits = [t for t in (args.timeout, left) if t is not None]
+                timeout = min(limits) if limits else None
+                entry["modes"][mode] = run_mode(args, mode, out, env, timeout)
+                m = entry["modes"][mode]
+                ok &= bool(m.get("repeatable", False) and m.get("logits_repeatable", False))
+            print(f"{vname}, graph capture {mode}: {describe(entry['modes'][mode])}", flush=True)
+            path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0 if ok else 1
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +39,67 @@ def test_summary_places_each_difference_and_its_margin():
     assert same["repeatable"] is True and [d["run"] for d in same["differences"]] == [1]
 
 
+def test_summary_counts_logits_that_differ_as_not_repeatable():
+    runs = [{"prompt": "A", "tokens": [1]}, {"prompt": "B", "tokens": [2]}, {"prompt": "A", "tokens": [1]}]
+    assert repeat.summarize({"runs": runs, "logits": {"bitwise_equal": True}})["logits_repeatable"] is True
+    assert repeat.summarize({"runs": runs, "logits": {"bitwise_equal": False}})["logits_repeatable"] is False
+    prefill = {"passes": 3, "differ": [{"pass": 2, "first_step": 0, "max_abs_diff": 0.5}]}
+    s = repeat.summarize({"runs": runs, "logits": {"bitwise_equal": True}, "prefill": prefill})
+    assert s["repeatable"] is True and s["logits_repeatable"] is False
+
+
+def test_compare_passes_names_the_first_step_that_differs():
+    a = np.zeros((3, 4), np.float32)
+    b, c = a.copy(), a.copy()
+    c[1, 2], c[2, 0] = 0.25, -1.0
+    out = repeat.compare_passes([a, b, c])
+    assert out == {"passes": 3, "differ": [{"pass": 2, "first_step": 1, "max_abs_diff": 1.0}]}
+    assert repeat.compare_passes([a, b])["differ"] == []
+
+
+def test_parse_variant():
+    assert repeat.parse_variant("default") == ("default", {})
+    assert repeat.parse_variant("moe_decode:GPTOSS_MAX_MOE_PATH=decode,GPTOSS_MAX_PDL=0") == (
+        "moe_decode",
+        {"GPTOSS_MAX_MOE_PATH": "decode", "GPTOSS_MAX_PDL": "0"},
+    )
+    for bad in ["x:HOME=/", "x:GPTOSS_MAX_DENSE", ":GPTOSS_MAX_DENSE=max", "a/b"]:
+        with pytest.raises(ValueError):
+            repeat.parse_variant(bad)
+
+
+def test_variants_run_with_their_settings_and_the_deadline_skips(tmp_path, monkeypatch):
+    """Each variant's worker gets its settings in its environment; past the deadline a mode is skipped."""
+    seen = []
+
+    def fake_run(cmd, stdout, stderr, timeout, env):
+        seen.append(({k: v for k, v in env.items() if k.startswith("GPTOSS_MAX_")}, timeout))
+        save = cmd[cmd.index("--save") + 1]
+        runs = [{"prompt": "A", "seed": 0, "tokens": [1]}, {"prompt": "B", "seed": 1, "tokens": [2]},
+                {"prompt": "A", "seed": 2, "tokens": [1]}]  # fmt: skip
+        Path(save).write_text(json.dumps({"graph_capture": False, "runs": runs,
+                                          "logits": {"bitwise_equal": True, "max_abs_diff": 0.0}}))  # fmt: skip
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(repeat.subprocess, "run", fake_run)
+    for k in repeat.VARIANT_SETTINGS:
+        monkeypatch.delenv(k, raising=False)
+    rc = repeat.main(["--device", "cpu", "--capture", "off", "--timeout", "50", "--out", str(tmp_path),
+                      "--variant", "default", "--variant", "dense:GPTOSS_MAX_DENSE=max"])  # fmt: skip
+    assert rc == 0
+    assert seen == [({}, 50), ({"GPTOSS_MAX_DENSE": "max"}, 50)]
+    (path,) = tmp_path.glob("repeat_cpu_*.json")
+    result = json.loads(path.read_text())
+    assert result["variants"]["dense"]["settings"] == {"GPTOSS_MAX_DENSE": "max"}
+    assert result["variants"]["dense"]["modes"]["off"]["logits_repeatable"] is True
+    assert (tmp_path / "dense" / "repeat_off.json").exists()
+
+    rc = repeat.main(["--device", "cpu", "--capture", "off", "--deadline", "10", "--out", str(tmp_path / "late")])
+    assert rc == 1, "a skipped mode is not a pass"
+    (path,) = (tmp_path / "late").glob("repeat_cpu_*.json")
+    assert "skipped" in json.loads(path.read_text())["variants"]["default"]["modes"]["off"]
+
+
 def test_graph_capture_on_a_cpu_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         repeat.main(["--device", "cpu", "--capture", "on", "--out", str(tmp_path)])
@@ -46,10 +109,11 @@ def test_graph_capture_on_a_cpu_is_refused(tmp_path):
 def test_greedy_decoding_repeats_on_the_cpu(tmp_path):
     """The CPU's float32 graph: every run of A equal, B between them included, logits bitwise equal."""
     rc = repeat.main(["--device", "cpu", "--model", "synthetic:tiny", "--capture", "off", "--repeats", "2",
-                      "--tokens", "6", "--prompt-len", "40", "--timeout", "1200", "--out", str(tmp_path)])  # fmt: skip
+                      "--tokens", "6", "--prompt-len", "40", "--forced-runs", "3", "--prefills", "3",
+                      "--timeout", "1200", "--out", str(tmp_path)])  # fmt: skip
     (path,) = tmp_path.glob("repeat_cpu_*.json")
     result = json.loads(path.read_text())
-    mode = result["modes"]["off"]
+    mode = result["variants"]["default"]["modes"]["off"]
     assert rc == 0, mode.get("log_tail")
     assert [r["prompt"] for r in mode["runs"]] == ["A", "A", "B", "A"]
     assert all(len(r["tokens"]) == 6 for r in mode["runs"])
@@ -57,3 +121,5 @@ def test_greedy_decoding_repeats_on_the_cpu(tmp_path):
     assert mode["repeatable"] is True and [d["after_b"] for d in mode["differences"]] == [False, True]
     assert mode["logits"]["bitwise_equal"] is True and mode["logits"]["max_abs_diff"] == 0.0
     assert len(mode["logits"]["top2_margin"]) == 6 and min(mode["logits"]["top2_margin"]) >= 0
+    assert mode["logits"]["passes"] == 3 and mode["logits"]["differ"] == []
+    assert mode["prefill"] == {"passes": 3, "differ": []} and mode["logits_repeatable"] is True

@@ -458,3 +458,81 @@ def test_router_topk_refuses_bad_k() -> None:
             forward=lambda x: ops.router_topk(x, 4),
             input_types=[TensorType(DType.float32, [3, 300], DeviceRef.CPU())],
         )
+
+
+# Repeatability: the same inputs through the op again and again, other inputs between the
+# repeats, must give the first result bit for bit (scripts/gpu_repeat.py found whole-model greedy
+# decoding on an H200 not repeatable, 2026-11-29; a race in a kernel would show here first).
+# (tokens, experts, hidden = inter): small shapes on every device, gpt-oss's own widths where the
+# GPU runs them (20b: 32 experts; 120b: 128), through the decode kernels (1 and 64 tokens) and the
+# prefill GEMM's tile configurations (69 and 101 tokens of 20b: c7; 512 of 120b: c7; 1024 of 20b: c5).
+REPEAT_SHAPES = {
+    "cpu": [(1, 8, 64), (64, 8, 128), (77, 8, 128), (288, 8, 128)],
+    "gpu": [
+        (1, 8, 64),
+        (77, 8, 128),
+        (288, 8, 128),
+        (1, 32, 2880),
+        (64, 32, 2880),
+        (69, 32, 2880),
+        (101, 32, 2880),
+        (1024, 32, 2880),
+        (1, 128, 2880),
+        (512, 128, 2880),
+    ],  # fmt: skip
+}
+REPEATS = {"cpu": 3, "gpu": 12}
+
+
+def _random_mxfp4_inputs(tokens: int, experts: int, width: int, seed: int) -> list[np.ndarray]:
+    """Op inputs of random MXFP4 bytes (any byte is a valid pair of codes, in any layout) with
+    gpt-oss-like scale bytes (2^-7 .. 2^-3), random routing and activations."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(experts, 4, replace=False) for _ in range(tokens)]).astype(np.int32)
+    w = rng.random((tokens, 4)).astype(np.float32)
+    blocks = [rng.integers(0, 256, (experts, rows, width // 2), dtype=np.uint8) for rows in (2 * width, width)]
+    scales = [rng.integers(120, 125, (experts, rows, width // 32), dtype=np.uint8) for rows in (2 * width, width)]
+    bias = [(0.1 * rng.standard_normal((experts, rows))).astype(np.float32) for rows in (2 * width, width)]
+    x = rng.standard_normal((tokens, width)).astype(np.float32)
+    return [x, ids, w, blocks[0], scales[0], bias[0], blocks[1], scales[1], bias[1]]
+
+
+def _repeat_check(target: Target, model, make_inputs, label: str) -> None:
+    """Each shape's inputs through `model` REPEATS times (other inputs between every other
+    repeat): every result must equal the first bit for bit."""
+    from max.driver import CPU, Buffer
+
+    def on_device(arrays):
+        return [Buffer.from_numpy(np.ascontiguousarray(a)).to(target.device) for a in arrays]
+
+    failures = []
+    for tokens, experts, width in REPEAT_SHAPES[target.name]:
+        same = on_device(make_inputs(tokens, experts, width, seed=tokens))
+        other = on_device(make_inputs(max(tokens // 2, 1), experts, width, seed=tokens + 1))
+        first = [o.to(CPU()).to_numpy() for o in model.execute(*same)]
+        assert all(np.isfinite(f).all() for f in first)
+        differ = 0
+        for r in range(REPEATS[target.name]):
+            if r % 2:
+                model.execute(*other)
+            again = [o.to(CPU()).to_numpy() for o in model.execute(*same)]
+            differ += any(not np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+        report(label, f"{target.name} T={tokens} E={experts} H=I={width}: {differ} of {REPEATS[target.name]} differ")
+        if differ:
+            failures.append((tokens, experts, width, differ))
+    assert not failures, f"{label}: (tokens, experts, width, repeats that differ): {failures}"
+
+
+def test_moe_mxfp4_repeats_bitwise(target: Target, mxfp4_model) -> None:
+    _repeat_check(target, mxfp4_model, _random_mxfp4_inputs, "moe op repeats")
+
+
+def test_moe_mxfp4_routed_repeats_bitwise(target: Target, routed_model) -> None:
+    """The op that takes the router's top-k itself (a one-token step's default on the GPU)."""
+
+    def make(tokens, experts, width, seed):
+        x, _ids, _w, *weights = _random_mxfp4_inputs(tokens, experts, width, seed)
+        logits = np.random.default_rng(seed + 7).standard_normal((tokens, experts)).astype(np.float32)
+        return [x, logits, *weights]
+
+    _repeat_check(target, routed_model, make, "routed moe op repeats")
