@@ -117,3 +117,26 @@ def test_gemv_refuses_wrong_dtype_and_odd_k() -> None:
     with pytest.raises(ValueError, match="K % 32"):
         types = [TensorType(DType.bfloat16, d, cpu) for d in ([1, 48], [4, 48], [4])]
         Graph("gemv_bad_tc", forward=lambda x, w, b: ops.gemv(x, w, b, tc=True), input_types=types)
+
+
+@pytest.mark.parametrize("tokens, n, k", [(1, 5120, 2880), (8, 2880, 4096), (33, 5120, 2880), (64, 128, 2880)])
+def test_gemv_tensor_cores_repeat_bitwise(gemv_tc_model, tokens, n, k) -> None:
+    """The model's dense projections of small steps (qkv, o_proj, router): the same inputs again and
+    again (others between every other repeat) give the first result bit for bit."""
+    from max.driver import CPU, Buffer
+
+    kind, device, model = gemv_tc_model
+
+    def inputs(seed):
+        rng = np.random.default_rng(seed)
+        arrays = (rng.standard_normal((tokens, k)), rng.standard_normal((n, k)) / np.sqrt(k), rng.standard_normal(n))
+        return [Buffer.from_numpy(a.astype(np.float32)).to(device) for a in arrays]
+
+    same, other = inputs(1), inputs(2)
+    (first,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
+    repeats = 8 if kind == "gpu" else 2
+    for r in range(repeats):
+        if r % 2:
+            model.execute(*other)
+        (again,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
+        np.testing.assert_array_equal(first, again, err_msg=f"repeat {r + 1} of {repeats}")

@@ -104,3 +104,31 @@ def test_router_decode_refuses_wrong_dtype_and_odd_hidden() -> None:
         build(DType.bfloat16, 12)
     with pytest.raises(ValueError, match="eps"):
         build(DType.bfloat16, 8, eps=0.0)
+
+
+@pytest.mark.parametrize("tokens, experts, hidden", [(1, 128, 2880), (1, 5120, 2880), (8, 5120, 2880), (16, 32, 2880)])
+def test_router_decode_repeats_bitwise(router_model, tokens, experts, hidden) -> None:
+    """The same inputs again and again (others between every other repeat): the first outputs bit
+    for bit (a whole-model GPU run was not repeatable, bench/results/repeat_h200_20261129.json)."""
+    from max.driver import CPU, Buffer
+
+    from gptoss_max.kernels import ops
+
+    kind, device, model = router_model
+    skip_past_gpu_bound(kind, tokens, ops.ROUTER_DECODE_GPU_MAX_TOKENS)
+
+    def inputs(seed):
+        rng = np.random.default_rng(seed)
+        shapes = ((tokens, hidden), (tokens, hidden), (hidden,), (experts, hidden), (experts,))
+        arrays = [reference.round_to_bf16(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+        return [Buffer.from_numpy(v).to(device) for v in arrays]
+
+    same, other = inputs(1), inputs(2)
+    first = [y.to(CPU()).to_numpy() for y in model.execute(*same)]
+    repeats = 8 if kind == "gpu" else 2
+    for r in range(repeats):
+        if r % 2:
+            model.execute(*other)
+        again = [y.to(CPU()).to_numpy() for y in model.execute(*same)]
+        for a, b in zip(first, again, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"repeat {r + 1} of {repeats}")
