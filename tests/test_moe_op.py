@@ -66,6 +66,9 @@ CASES = [
     # 128 pairs per expert over 64 experts: c10 (128-token tiles, and each expert's last <= 32
     # pairs absorbed into a two-part tile by a second launch)
     Case("t2048_c10", 2048, 64, 4, 64, 64),
+    # a scale byte above 128 in one 16-row group of down's first 64 rows only: the GPU prefill GEMM
+    # (c5) must run one scale path per warpgroup (wgmma is warpgroup-collective), not one per warp
+    Case("t77_prefill_big_scale", 77, 8, 4, 128, 128, outlier=40.0),
 ]
 
 
@@ -463,32 +466,32 @@ def test_router_topk_refuses_bad_k() -> None:
 # Repeatability: the same inputs through the op again and again, other inputs between the
 # repeats, must give the first result bit for bit (scripts/gpu_repeat.py found whole-model greedy
 # decoding on an H200 not repeatable, 2026-11-29; a race in a kernel would show here first).
-# (tokens, experts, hidden = inter): small shapes on every device, gpt-oss's own widths where the
-# GPU runs them (20b: 32 experts; 120b: 128), through the decode kernels (1 and 64 tokens) and the
-# prefill GEMM's tile configurations (69 and 101 tokens of 20b: c7; 512 of 120b: c7; 1024 of 20b: c5).
+# (tokens, experts, hidden = inter, routing): small shapes on every device, gpt-oss's own widths
+# where the GPU runs them (20b: 32 experts; 120b: 128), through the decode kernels (1 and 64 tokens)
+# and the prefill GEMM's tile configurations (69 and 101 tokens of 20b: c7; 512 of 120b: c7; 1024
+# of 20b: c5). "skewed": every token routed to experts 0..3, as a random model's deep layers can
+# do: each of them gets every token, so its last tile is a short one (69 = 64 + 5 in c7, 300 =
+# 2 x 128 + 44 in c5), and which pairs land there follows the route kernel's atomic arrival order.
 REPEAT_SHAPES = {
-    "cpu": [(1, 8, 64), (64, 8, 128), (77, 8, 128), (288, 8, 128)],
-    "gpu": [
-        (1, 8, 64),
-        (77, 8, 128),
-        (288, 8, 128),
-        (1, 32, 2880),
-        (64, 32, 2880),
-        (69, 32, 2880),
-        (101, 32, 2880),
-        (1024, 32, 2880),
-        (1, 128, 2880),
-        (512, 128, 2880),
-    ],  # fmt: skip
-}
+    "cpu": [(1, 8, 64, "random"), (64, 8, 128, "random"), (77, 8, 128, "random"), (288, 8, 128, "random"),
+            (77, 8, 128, "skewed")],
+    "gpu": [(1, 8, 64, "random"), (77, 8, 128, "random"), (288, 8, 128, "random"), (1, 32, 2880, "random"),
+            (64, 32, 2880, "random"), (69, 32, 2880, "random"), (101, 32, 2880, "random"),
+            (1024, 32, 2880, "random"), (1, 128, 2880, "random"), (512, 128, 2880, "random"),
+            (69, 32, 2880, "skewed"), (300, 32, 2880, "skewed")],
+}  # fmt: skip
 REPEATS = {"cpu": 3, "gpu": 12}
 
 
-def _random_mxfp4_inputs(tokens: int, experts: int, width: int, seed: int) -> list[np.ndarray]:
+def _random_mxfp4_inputs(tokens: int, experts: int, width: int, seed: int, routing: str = "random") -> list:
     """Op inputs of random MXFP4 bytes (any byte is a valid pair of codes, in any layout) with
-    gpt-oss-like scale bytes (2^-7 .. 2^-3), random routing and activations."""
+    gpt-oss-like scale bytes (2^-7 .. 2^-3), activations, and random routing ("skewed": every
+    token to experts 0..3, in a random order)."""
     rng = np.random.default_rng(seed)
-    ids = np.stack([rng.choice(experts, 4, replace=False) for _ in range(tokens)]).astype(np.int32)
+    if routing == "skewed":
+        ids = np.stack([rng.permutation(4) for _ in range(tokens)]).astype(np.int32)
+    else:
+        ids = np.stack([rng.choice(experts, 4, replace=False) for _ in range(tokens)]).astype(np.int32)
     w = rng.random((tokens, 4)).astype(np.float32)
     blocks = [rng.integers(0, 256, (experts, rows, width // 2), dtype=np.uint8) for rows in (2 * width, width)]
     scales = [rng.integers(120, 125, (experts, rows, width // 32), dtype=np.uint8) for rows in (2 * width, width)]
@@ -497,18 +500,21 @@ def _random_mxfp4_inputs(tokens: int, experts: int, width: int, seed: int) -> li
     return [x, ids, w, blocks[0], scales[0], bias[0], blocks[1], scales[1], bias[1]]
 
 
+def _on_device(target: Target, arrays) -> list:
+    from max.driver import Buffer
+
+    return [Buffer.from_numpy(np.ascontiguousarray(a)).to(target.device) for a in arrays]
+
+
 def _repeat_check(target: Target, model, make_inputs, label: str) -> None:
     """Each shape's inputs through `model` REPEATS times (other inputs between every other
     repeat): every result must equal the first bit for bit."""
-    from max.driver import CPU, Buffer
-
-    def on_device(arrays):
-        return [Buffer.from_numpy(np.ascontiguousarray(a)).to(target.device) for a in arrays]
+    from max.driver import CPU
 
     failures = []
-    for tokens, experts, width in REPEAT_SHAPES[target.name]:
-        same = on_device(make_inputs(tokens, experts, width, seed=tokens))
-        other = on_device(make_inputs(max(tokens // 2, 1), experts, width, seed=tokens + 1))
+    for tokens, experts, width, routing in REPEAT_SHAPES[target.name]:
+        same = _on_device(target, make_inputs(tokens, experts, width, tokens, routing))
+        other = _on_device(target, make_inputs(max(tokens // 2, 1), experts, width, tokens + 1, "random"))
         first = [o.to(CPU()).to_numpy() for o in model.execute(*same)]
         assert all(np.isfinite(f).all() for f in first)
         differ = 0
@@ -517,10 +523,13 @@ def _repeat_check(target: Target, model, make_inputs, label: str) -> None:
                 model.execute(*other)
             again = [o.to(CPU()).to_numpy() for o in model.execute(*same)]
             differ += any(not np.array_equal(a, b) for a, b in zip(first, again, strict=True))
-        report(label, f"{target.name} T={tokens} E={experts} H=I={width}: {differ} of {REPEATS[target.name]} differ")
+        report(
+            label,
+            f"{target.name} T={tokens} E={experts} H=I={width} {routing}: {differ} of {REPEATS[target.name]} differ",
+        )
         if differ:
-            failures.append((tokens, experts, width, differ))
-    assert not failures, f"{label}: (tokens, experts, width, repeats that differ): {failures}"
+            failures.append((tokens, experts, width, routing, differ))
+    assert not failures, f"{label}: (tokens, experts, width, routing, repeats that differ): {failures}"
 
 
 def test_moe_mxfp4_repeats_bitwise(target: Target, mxfp4_model) -> None:
@@ -530,9 +539,38 @@ def test_moe_mxfp4_repeats_bitwise(target: Target, mxfp4_model) -> None:
 def test_moe_mxfp4_routed_repeats_bitwise(target: Target, routed_model) -> None:
     """The op that takes the router's top-k itself (a one-token step's default on the GPU)."""
 
-    def make(tokens, experts, width, seed):
-        x, _ids, _w, *weights = _random_mxfp4_inputs(tokens, experts, width, seed)
+    def make(tokens, experts, width, seed, routing):
+        x, _ids, _w, *weights = _random_mxfp4_inputs(tokens, experts, width, seed)  # the logits route
         logits = np.random.default_rng(seed + 7).standard_normal((tokens, experts)).astype(np.float32)
+        if routing == "skewed":  # experts 0..3 first for every token
+            logits[:, :4] += 20.0
         return [x, logits, *weights]
 
     _repeat_check(target, routed_model, make, "routed moe op repeats")
+
+
+# The same tokens in another order: each token's output row must be the same bits wherever the
+# token sits. The GPU prefill GEMM orders an expert's pairs by atomic arrival and gives an expert's
+# last, short tile a narrower wgmma; this holds only if neither changes a row's bits.
+PERMUTE_SHAPES = {
+    "cpu": [(77, 8, 128, "skewed"), (288, 8, 128, "random")],
+    "gpu": [(77, 8, 128, "skewed"), (288, 8, 128, "random"), (69, 32, 2880, "skewed"),
+            (300, 32, 2880, "skewed"), (1024, 32, 2880, "random"), (512, 128, 2880, "random")],
+}  # fmt: skip
+
+
+def test_moe_mxfp4_rows_do_not_depend_on_token_order(target: Target, mxfp4_model) -> None:
+    from max.driver import CPU
+
+    failures = []
+    for tokens, experts, width, routing in PERMUTE_SHAPES[target.name]:
+        x, ids, w, *weights = _random_mxfp4_inputs(tokens, experts, width, tokens + 3, routing)
+        perm = np.random.default_rng(tokens).permutation(tokens)
+        outs = [o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*_on_device(target, [x, ids, w, *weights]))]
+        moved = _on_device(target, [x[perm], ids[perm], w[perm], *weights])
+        outs_p = [o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*moved)]
+        rows = sum(int(np.sum(np.any(o[perm] != p, axis=-1))) for o, p in zip(outs, outs_p, strict=True))
+        report("moe op token order", f"{target.name} T={tokens} E={experts} H=I={width} {routing}: {rows} rows differ")
+        if rows:
+            failures.append((tokens, experts, width, routing, rows))
+    assert not failures, f"(tokens, experts, width, routing, rows that differ): {failures}"

@@ -1096,13 +1096,18 @@ def _p2_tile[
     var acc2 = SIMD[DType.float32, p2_acc2_width(NT2)](0)
 
     # Scales above 128 take a second multiply (the one multiplier 2^(s-1) of
-    # the common path would overflow bf16's exponent); whether any block of the warp's 16 rows has one is decided once
-    # for the whole tile (the warp's rows are one 16-row group, whose scale
-    # bytes are contiguous in the tiled layout), so the common stage body
-    # builds each multiplier with one prmt and one multiply-add.
+    # the common path would overflow bf16's exponent); whether any block of
+    # the warpgroup's 64 rows has one is decided once for the whole tile (four
+    # 16-row groups, each with contiguous scale bytes in the tiled layout), so
+    # the common stage body builds each multiplier with one prmt and one
+    # multiply-add. Per warpgroup, not per warp: wgmma is warpgroup-collective
+    # (.aligned: every thread of the warpgroup must execute the same
+    # instruction), so its four warps must run the same loop variant.
     var big = False
     if wg_active:
-        big = p2_group_has_big_scale(scales, e, n_rows, n0 + (r0 & ~15), k_dim)
+        var wg_row = n0 + (r0 & ~63)
+        comptime for j in range(4):
+            big = big or p2_group_has_big_scale(scales, e, n_rows, wg_row + 16 * j, k_dim)
     if big:
         _p2_loop[BM, NT, NT2, NWG, STAGES, CPT, True](
             smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb
