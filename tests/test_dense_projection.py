@@ -5,6 +5,8 @@ graph's ops.cond), so one graph checks both branches; GPTOSS_MAX_DENSE=max stage
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,21 @@ def test_both_branches_match_float64(monkeypatch) -> None:
         got = got.to(CPU()).to_numpy()
         assert got.shape == (tokens, N_OUT)
         np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
+
+
+def test_tc1_takes_one_token_steps_too(monkeypatch) -> None:
+    """GPTOSS_MAX_DENSE=tc1: the choice's lower bound is 1, not DENSE_MIN_TOKENS (the graph's
+    greater_equal constants: 16 and 1 for tc1, 16 and 2 for tc)."""
+    from gptoss_max.arch import dense
+
+    def bounds(graph) -> list[int]:
+        return [int(v) for v in re.findall(r"mo\.constant <#M\.dense_array<(\d+)> : tensor<si64>>", str(graph))]
+
+    _, tc = _graph(monkeypatch, "tc")
+    _, tc1 = _graph(monkeypatch, "tc1")
+    assert "gptoss_gemv" in str(tc1)
+    assert bounds(tc) == [dense.DENSE_MAX_TOKENS, dense.DENSE_MIN_TOKENS] and dense.DENSE_MIN_TOKENS > 1
+    assert bounds(tc1) == [dense.DENSE_MAX_TOKENS, 1]
 
 
 @pytest.mark.parametrize("impl, k", [("max", K_IN), ("tc", 48)])

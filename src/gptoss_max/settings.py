@@ -90,13 +90,14 @@ def rope_impl() -> str:
 
 
 def dense_impl() -> str:
-    """`GPTOSS_MAX_DENSE`: `auto` (= `tc`), `tc` or `max`; how a bf16 graph runs the dense
+    """`GPTOSS_MAX_DENSE`: `auto` (= `tc`), `tc`, `tc1` or `max`; how a bf16 graph runs the dense
     projections of attention (qkv, o_proj) and the router's logits. `tc`: our tensor-core op
     (kernels/gemv.mojo) for steps of `arch.dense.DENSE_MIN_TOKENS`..`DENSE_MAX_TOKENS` tokens, MAX's
-    Linear for the others, chosen in the graph from the step's token count. `max`: MAX's Linear
-    for every step. Same values up to f32 summation order. Read in the process that builds the
-    graph; a float32 graph always uses MAX's."""
-    return _choice("GPTOSS_MAX_DENSE", "tc", "tc", "max")
+    Linear for the others, chosen in the graph from the step's token count. `tc1`: the same from
+    one token (one-token steps then skip MAX's split-K GEMV, which is faster there: for checks).
+    `max`: MAX's Linear for every step. Same values up to f32 summation order. Read in the process
+    that builds the graph; a float32 graph always uses MAX's."""
+    return _choice("GPTOSS_MAX_DENSE", "tc", "tc", "tc1", "max")
 
 
 def qkv_head_impl() -> str:

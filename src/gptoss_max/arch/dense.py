@@ -23,15 +23,16 @@ DENSE_MAX_TOKENS = 16
 def project(linear: Module, x: TensorValue) -> TensorValue:
     """`linear(x)` for x [T, K] and a MAX Linear or StackedLinear: on bf16 graphs with
     `GPTOSS_MAX_DENSE` = tc (the default) and K % 32 == 0, steps of
-    DENSE_MIN_TOKENS..DENSE_MAX_TOKENS tokens run our op, chosen in the graph from the step's
+    DENSE_MIN_TOKENS..DENSE_MAX_TOKENS tokens (`tc1`: from 1) run our op, chosen in the graph from the step's
     token count (the same choice on a CPU, whose path has no bound, so CPU tests run both
     branches). Same values up to f32 summation order. Not for use inside a branch of another
     ops.cond (arch/moe.py says why)."""
     weight, bias = maxapi.linear_weight_bias(linear)
     k = x.shape[1]
+    impl = settings.dense_impl()
     if (
         x.dtype != DType.bfloat16
-        or settings.dense_impl() != "tc"
+        or impl == "max"
         or bias is None
         or weight.dtype != DType.bfloat16
         or not isinstance(k, StaticDim)
@@ -49,7 +50,8 @@ def project(linear: Module, x: TensorValue) -> TensorValue:
         return linear(x)
 
     out = TensorType(x.dtype, [x.shape[0], w.shape[0]], x.device)
-    return ops.cond(tokens_within(x, DENSE_MAX_TOKENS, least=DENSE_MIN_TOKENS), [out], ours, theirs)[0]
+    least = 1 if impl == "tc1" else DENSE_MIN_TOKENS
+    return ops.cond(tokens_within(x, DENSE_MAX_TOKENS, least=least), [out], ours, theirs)[0]
 
 
 def tokens_within(x: TensorValue, most: int, least: int | None = None) -> TensorValue:
