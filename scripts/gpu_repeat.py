@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from gptoss_max.settings import RUN_SETTINGS
+
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first index where two token lists differ (the shorter one's length if one is a prefix)."""
@@ -54,18 +56,8 @@ def top2_margins(logits: np.ndarray) -> list[float]:
     return [round(float(m), 6) for m in top[:, 1] - top[:, 0]]
 
 
-# What a variant may set: the run settings (settings.RUN_SETTINGS) and the kernels' own switches.
-VARIANT_SETTINGS = (
-    "GPTOSS_MAX_ATTENTION",
-    "GPTOSS_MAX_DENSE",
-    "GPTOSS_MAX_MOE_PATH",
-    "GPTOSS_MAX_QKV_HEAD",
-    "GPTOSS_MAX_ROPE",
-    "GPTOSS_MAX_ROUTER",
-    "GPTOSS_MAX_TOPK",
-    "GPTOSS_MAX_PDL",
-    "GPTOSS_MAX_ATTN_ONE_WARPS",
-)
+# What a variant may set: the run settings and the kernels' own switches (read in Mojo).
+VARIANT_SETTINGS = (*RUN_SETTINGS, "GPTOSS_MAX_PDL", "GPTOSS_MAX_ATTN_ONE_WARPS")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
