@@ -13,7 +13,8 @@ server draws one per request; top-k 1 must make that irrelevant.
 To find which piece is not repeatable, `--variant NAME:SETTING=VALUE,...` (repeatable) runs the
 same check once per variant, each in its own process with those run settings (`settings.py`: the
 GPU kernel each piece of the model uses), and `--prefills N` adds N prefill-only passes of A whose
-logits must all equal the first one bitwise: a rate per variant, cheap next to a compile.
+logits must all equal the first one bitwise: a rate per variant, cheap next to a compile. Every third
+pass follows a greedy run of B, so a difference that only follows B points at state left behind.
 `--deadline` bounds the whole run (a variant that would start too late is skipped, and says so).
 
     export PYTHONPATH=<staged MAX site>:$PWD/src PYTHONUNBUFFERED=1 GPTOSS_MAX_CACHE=<tokenizer cache>
@@ -75,16 +76,21 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def compare_passes(passes: list[np.ndarray]) -> dict[str, Any]:
+def compare_passes(passes: list[np.ndarray], after_other: list[bool] | None = None) -> dict[str, Any]:
     """Logits of repeated passes [steps, V] against the first: which differ, at which first step
-    (0: the prompt's own step), by how much."""
+    (0: the prompt's own step), by how much; with `after_other`, whether another prompt ran just
+    before that pass (a difference that follows it points at state a request leaves behind)."""
     first = passes[0]
     differ = []
     for i, p in enumerate(passes[1:], 1):
         if not np.array_equal(first, p):
             steps = np.flatnonzero(np.any(first != p, axis=-1))
-            differ.append({"pass": i, "first_step": int(steps[0]), "max_abs_diff": float(np.max(np.abs(first - p)))})
-    return {"passes": len(passes), "differ": differ}
+            row = {"pass": i, "first_step": int(steps[0]), "max_abs_diff": float(np.max(np.abs(first - p)))}
+            differ.append(row if after_other is None else {**row, "after_other": after_other[i]})
+    out: dict[str, Any] = {"passes": len(passes), "differ": differ}
+    if after_other is not None:
+        out["after_other"] = [i for i, flag in enumerate(after_other) if flag]
+    return out
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -121,7 +127,15 @@ def worker(args: argparse.Namespace) -> int:
             **compare_passes(passes),
         }
         if args.prefills:
-            out["prefill"] = compare_passes([max_logits(engine, a, []) for _ in range(args.prefills)])
+            # Every third pass follows a greedy run of B, which leaves other K/V in the cache pages
+            # past A's prompt: does A's prompt step depend on what ran before it?
+            passes, after = [], []
+            for i in range(args.prefills):
+                after.append(i % 3 == 2)
+                if after[-1]:
+                    greedy(b, seed=1000 + i)
+                passes.append(max_logits(engine, a, []))
+            out["prefill"] = compare_passes(passes, after)
     except Exception as exc:  # logits processors need the host every step; graph capture may refuse them
         out["logits"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     Path(args.save).write_text(json.dumps(out))

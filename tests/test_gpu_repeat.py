@@ -55,6 +55,9 @@ def test_compare_passes_names_the_first_step_that_differs():
     out = repeat.compare_passes([a, b, c])
     assert out == {"passes": 3, "differ": [{"pass": 2, "first_step": 1, "max_abs_diff": 1.0}]}
     assert repeat.compare_passes([a, b])["differ"] == []
+    marked = repeat.compare_passes([a, b, c], after_other=[False, False, True])
+    assert marked["differ"] == [{"pass": 2, "first_step": 1, "max_abs_diff": 1.0, "after_other": True}]
+    assert marked["after_other"] == [2]
 
 
 def test_parse_variant():
@@ -122,4 +125,4 @@ def test_greedy_decoding_repeats_on_the_cpu(tmp_path):
     assert mode["logits"]["bitwise_equal"] is True and mode["logits"]["max_abs_diff"] == 0.0
     assert len(mode["logits"]["top2_margin"]) == 6 and min(mode["logits"]["top2_margin"]) >= 0
     assert mode["logits"]["passes"] == 3 and mode["logits"]["differ"] == []
-    assert mode["prefill"] == {"passes": 3, "differ": []} and mode["logits_repeatable"] is True
+    assert mode["prefill"] == {"passes": 3, "differ": [], "after_other": [2]} and mode["logits_repeatable"] is True
