@@ -56,15 +56,18 @@ def _table(head_dim: int) -> np.ndarray:
     return table.astype(np.float32)
 
 
-def _build(kind: str, shape: Shape, max_rope: bool = False):
+def _build(kind: str, shape: Shape, max_rope: bool = False, core: str = "ours"):
     """Graph: qkv, table -> (layer 0 with WINDOW, layer 1 full) through our fused op, or with
-    max_rope through MAX's rope_split_store_ragged and our attention op. The cache is updated in
-    place."""
+    max_rope through MAX's rope_split_store_ragged and our attention op. core="max": MAX's RoPE and
+    store, then MAX's flash_attention_ragged with sinks (what the model's prompt steps run on a GPU;
+    on the CPU, whose kernel rejects windows below 256, causal on both layers). The cache is
+    updated in place."""
     from max.driver import CPU, Accelerator
     from max.dtype import DType
     from max.engine import InferenceSession
     from max.graph import DeviceRef, Graph, TensorType, ops
-    from max.nn.kernels import rope_split_store_ragged
+    from max.nn.attention import MHAMaskVariant
+    from max.nn.kernels import flash_attention_ragged, rope_split_store_ragged
     from max.nn.kv_cache import MHAKVCacheParams
 
     from gptoss_max.kernels.ops import attention_rope_with_sinks, attention_with_sinks
@@ -86,7 +89,7 @@ def _build(kind: str, shape: Shape, max_rope: bool = False):
         TensorType(f32, [shape.n_heads], dev),  # sinks
         paged_kv_dispatch_type(),
     ]
-    name = f"attention_rope_{shape.name}_{kind}{'_max' if max_rope else ''}"
+    name = f"attention_rope_{shape.name}_{kind}{'_max' if max_rope else ''}{'_maxcore' if core == 'max' else ''}"
     with Graph(name, input_types=types) as graph:
         qkv, table, *cache, offsets, sinks, meta = graph.inputs
         kv = paged_kv_values(cache, meta)
@@ -95,7 +98,18 @@ def _build(kind: str, shape: Shape, max_rope: bool = False):
         outs = []
         for layer, window in enumerate((WINDOW, None)):
             idx = ops.constant(layer, u32, device=cpu)
-            if max_rope:
+            if core == "max":
+                xq = rope_split_store_ragged(
+                    kv_params=params, qkv=x, input_row_offsets=offsets.tensor, freqs_cis=freqs, kv_collection=kv,
+                    layer_idx=idx, n_heads=shape.n_heads, interleaved=False,
+                ).reshape((-1, shape.n_heads, shape.head_dim))  # fmt: skip
+                sliding = window is not None and kind == "gpu"
+                out = flash_attention_ragged(
+                    params, input=xq, kv_collection=kv, layer_idx=idx, input_row_offsets=offsets.tensor,
+                    mask_variant=MHAMaskVariant.SLIDING_WINDOW_CAUSAL_MASK if sliding else MHAMaskVariant.CAUSAL_MASK,
+                    scale=scale, local_window_size=WINDOW, sink_weights=ops.cast(sinks.tensor, dtype),
+                )  # fmt: skip
+            elif max_rope:
                 xq = rope_split_store_ragged(
                     kv_params=params, qkv=x, input_row_offsets=offsets.tensor, freqs_cis=freqs, kv_collection=kv,
                     layer_idx=idx, n_heads=shape.n_heads, interleaved=False,
@@ -113,13 +127,13 @@ def _build(kind: str, shape: Shape, max_rope: bool = False):
     return device, model
 
 
-_MODELS: dict[tuple[str, str, bool], tuple] = {}
+_MODELS: dict[tuple[str, str, bool, str], tuple] = {}
 
 
-def _model(kind: str, shape: Shape, max_rope: bool = False):
-    key = (kind, shape.name, max_rope)
+def _model(kind: str, shape: Shape, max_rope: bool = False, core: str = "ours"):
+    key = (kind, shape.name, max_rope, core)
     if key not in _MODELS:
-        _MODELS[key] = _build(kind, shape, max_rope)
+        _MODELS[key] = _build(kind, shape, max_rope, core)
     return _MODELS[key]
 
 
@@ -283,6 +297,56 @@ def test_attention_rope_repeats_bitwise(kind: str) -> None:
         if differ:
             failures.append((shape.name, cached, new, differ))
     assert not failures, f"(shape, cached, new, repeats that differ): {failures}"
+
+
+def _unused_slots(step: Step) -> np.ndarray:
+    """A mask over the pool: True where no sequence of the step has a position (history or new)."""
+    used = np.zeros(step.pool.shape, bool)
+    for b, total in enumerate(step.totals):
+        for p in range(total):
+            page, slot = step._slot(b, p)
+            used[page, :, :, slot] = True
+    return ~used
+
+
+STALE_CASES = [*CASES[:4], (GPTOSS, [0], [69]), (GPTOSS, [100, 0], [29, 40])]
+
+
+@pytest.mark.parametrize("core", ["ours", "max"])
+@pytest.mark.parametrize("kind", op_devices())
+def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
+    """What a request leaves in the cache must not reach another's attention: the same step over a
+    pool whose unused slots (other pages, and the rest of its own last page) hold zeros, and over
+    one where they hold large leftovers, gives the same outputs bit for bit. Ours, and MAX's flash
+    attention, which the model's prompt steps run on a GPU (a GPU greedy run was not repeatable,
+    bench/results/repeat_h200_20261129.json)."""
+    from max.driver import CPU
+
+    failures = []
+    for i, (shape, cached, new) in enumerate(STALE_CASES):
+        device, model = _model(kind, shape, core=core)
+        outs = []
+        for fill in ("zeros", "leftovers"):
+            step = Step(shape, cached, new, seed=11 + i)
+            unused = _unused_slots(step)
+            if fill == "zeros":
+                step.pool[unused] = 0
+            else:
+                rnd = reference.round_to_bf16 if shape.bf16 else (lambda a: a.astype(np.float32))
+                step.pool[unused] = rnd(40 * np.random.default_rng(i).standard_normal(int(unused.sum())))
+            inputs = step.inputs(device)
+            pool = step.read_pool(inputs[2])  # before: the used slots are the same in both
+            outs.append([o.to(CPU()).to_numpy() for o in model.execute(*inputs)])
+            outs[-1].append(step.read_pool(inputs[2])[~unused])
+            assert np.array_equal(pool[~unused], pool[~unused])
+        differ = [j for j, (a, b) in enumerate(zip(*outs, strict=True)) if not np.array_equal(a, b)]
+        report(
+            "attention stale slots",
+            f"{kind} {core} {shape.name} cached {cached} new {new}: outputs that differ {differ}",
+        )
+        if differ:
+            failures.append((shape.name, cached, new, differ))
+    assert not failures, f"(shape, cached, new, outputs that differ: 0/1 layers, 2 the used cache): {failures}"
 
 
 def test_attention_rope_matches_max_rope_then_attention() -> None:
