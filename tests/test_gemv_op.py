@@ -9,6 +9,7 @@ import pytest
 
 from gptoss_max.kernels import reference
 from op_graphs import load_op_graph, op_devices, skip_past_gpu_bound
+from reporting import report
 
 
 @pytest.fixture(scope="module", params=op_devices())
@@ -140,3 +141,57 @@ def test_gemv_tensor_cores_repeat_bitwise(gemv_tc_model, tokens, n, k) -> None:
             model.execute(*other)
         (again,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
         np.testing.assert_array_equal(first, again, err_msg=f"repeat {r + 1} of {repeats}")
+
+
+@pytest.fixture(scope="module", params=op_devices())
+def max_linear_model(request):
+    """MAX's own bf16 x @ W^T (as its Linear runs the model's projections and LM head)."""
+    from max.dtype import DType
+    from max.graph import TensorType
+    from max.graph import ops as gops
+
+    def forward(x, w):
+        bf = DType.bfloat16
+        return gops.cast(gops.matmul(gops.cast(x, bf), gops.transpose(gops.cast(w, bf), 0, 1)), DType.float32)
+
+    def types(ref):
+        return [TensorType(DType.float32, dims, ref) for dims in (["T", "K"], ["N", "K"])]
+
+    return request.param, *load_op_graph(request.param, "max_linear", forward, types)
+
+
+# (tokens, n, k) of the model's projections that MAX runs: one-token o_proj (its split-K GEMV) and
+# LM head, a prompt step's qkv / o_proj / router; small ones on the CPU.
+MAX_LINEAR_SHAPES = {
+    "cpu": [(1, 40, 256), (69, 48, 128)],
+    "gpu": [(1, 2880, 4096), (1, 201088, 2880), (69, 5120, 2880), (69, 2880, 4096), (101, 32, 2880),
+            (1024, 5120, 2880)],
+}  # fmt: skip
+
+
+def test_max_linear_repeats_bitwise(max_linear_model) -> None:
+    """MAX's matmul at the model's shapes, the same inputs again and again (others between every
+    other repeat): the first result bit for bit. Not ours, but a whole-model GPU run was not
+    repeatable (bench/results/repeat_h200_20261129.json) and this is where MAX would add to it."""
+    from max.driver import CPU, Buffer
+
+    kind, device, model = max_linear_model
+    repeats = 8 if kind == "gpu" else 2
+    failures = []
+    for tokens, n, k in MAX_LINEAR_SHAPES[kind]:
+        rng = np.random.default_rng(tokens + n)
+        x = [rng.standard_normal((t, k)).astype(np.float32) for t in (tokens, max(tokens // 2, 1))]
+        w = [(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float32) for _ in range(2)]
+        same = [Buffer.from_numpy(a).to(device) for a in (x[0], w[0])]
+        other = [Buffer.from_numpy(a).to(device) for a in (x[1], w[1])]
+        (first,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
+        differ = 0
+        for r in range(repeats):
+            if r % 2:
+                model.execute(*other)
+            (again,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
+            differ += not np.array_equal(first, again)
+        report("max linear repeats", f"{kind} T={tokens} N={n} K={k}: {differ} of {repeats} differ")
+        if differ:
+            failures.append((tokens, n, k, differ))
+    assert not failures, f"(tokens, n, k, repeats that differ): {failures}"
