@@ -76,7 +76,7 @@ def test_variants_run_with_their_settings_and_the_deadline_skips(tmp_path, monke
     seen = []
 
     def fake_run(cmd, stdout, stderr, timeout, env):
-        seen.append(({k: v for k, v in env.items() if k.startswith("GPTOSS_MAX_")}, timeout))
+        seen.append(({k: v for k, v in env.items() if k in repeat.VARIANT_SETTINGS}, timeout))
         save = cmd[cmd.index("--save") + 1]
         runs = [{"prompt": "A", "seed": 0, "tokens": [1]}, {"prompt": "B", "seed": 1, "tokens": [2]},
                 {"prompt": "A", "seed": 2, "tokens": [1]}]  # fmt: skip
