@@ -165,15 +165,24 @@ class Step:
     def _slot(self, b: int, p: int) -> tuple[int, int]:
         return int(self.lookup[b, p // self.shape.page_size]), p % self.shape.page_size
 
-    def inputs(self, device) -> list:
+    def inputs(self, device, far_pages: int = 0) -> list:
+        """The graph's inputs. far_pages > 0: the pool has that many pages and this step's pages are
+        its last ones (the same contents, the page table moved with them)."""
         from max.driver import Buffer
         from max.dtype import DType
 
-        pool = Buffer.from_numpy(to_bf16_bits(self.pool) if self.shape.bf16 else self.pool)
+        host_pool = to_bf16_bits(self.pool) if self.shape.bf16 else self.pool
+        lookup = self.lookup
+        if far_pages:
+            shift = far_pages - self.pool.shape[0]
+            big = np.zeros((far_pages, *self.pool.shape[1:]), host_pool.dtype)
+            big[shift:] = host_pool
+            host_pool, lookup = big, self.lookup + np.uint32(shift)
+        pool = Buffer.from_numpy(host_pool)
         if self.shape.bf16:
-            pool = pool.view(DType.bfloat16, list(self.pool.shape))
+            pool = pool.view(DType.bfloat16, list(host_pool.shape))
         arrays = [
-            self.qkv, self.table, None, np.array([-1], np.int64), np.array(self.cached, np.uint32), self.lookup,
+            self.qkv, self.table, None, np.array([-1], np.int64), np.array(self.cached, np.uint32), lookup,
             np.array([max(self.new)], np.uint32), np.array([max(self.totals)], np.uint32), self.offsets, self.sinks,
             np.array([len(self.new), max(self.new), 1, max(self.totals)], np.int64),
         ]  # fmt: skip
@@ -347,6 +356,32 @@ def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
         if differ:
             failures.append((shape.name, cached, new, differ))
     assert not failures, f"(shape, cached, new, outputs that differ: 0/1 layers, 2 the used cache): {failures}"
+
+
+# Pages past 2^31 elements (and 2^32 bytes) of the pool on a GPU: a 24-layer model's 128-slot page
+# holds 3.1 M elements, so a page id above ~680 is already there in a full-size KV cache.
+FAR_PAGES = {"cpu": 700, "gpu": 66_000}  # gpu: 66,000 pages x 65,536 elements = 4.3 G elements (8.6 GB)
+
+
+@pytest.mark.parametrize("core", ["ours", "max"])
+@pytest.mark.parametrize("kind", op_devices())
+def test_attention_reads_far_pages(kind: str, core: str) -> None:
+    """The same step with its pages at the start of a small pool and at the end of a large one: the
+    same outputs bit for bit (an offset computed in 32 bits would read elsewhere)."""
+    from max.driver import CPU
+
+    failures = []
+    for i, (shape, cached, new) in enumerate([STALE_CASES[0], STALE_CASES[2], STALE_CASES[4]]):
+        device, model = _model(kind, shape, core=core)
+        step = Step(shape, cached, new, seed=23 + i)
+        near = [o.to(CPU()).to_numpy() for o in model.execute(*step.inputs(device))]
+        step = Step(shape, cached, new, seed=23 + i)  # the cache again as it was before the step
+        far = [o.to(CPU()).to_numpy() for o in model.execute(*step.inputs(device, FAR_PAGES[kind]))]
+        differ = [j for j, (a, b) in enumerate(zip(near, far, strict=True)) if not np.array_equal(a, b)]
+        report("attention far pages", f"{kind} {core} cached {cached} new {new}: layers that differ {differ}")
+        if differ:
+            failures.append((cached, new, differ))
+    assert not failures, f"(cached, new, layers that differ): {failures}"
 
 
 def test_attention_rope_matches_max_rope_then_attention() -> None:
