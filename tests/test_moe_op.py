@@ -559,18 +559,33 @@ PERMUTE_SHAPES = {
 }  # fmt: skip
 
 
-def test_moe_mxfp4_rows_do_not_depend_on_token_order(target: Target, mxfp4_model) -> None:
+@pytest.mark.parametrize("route_order", ["arrival", "stable"])
+def test_moe_mxfp4_rows_do_not_depend_on_token_order(target: Target, mxfp4_model, route_order, monkeypatch) -> None:
+    """`stable` (GPTOSS_MAX_ROUTE_ORDER, read at each GPU launch): the route kernel orders an
+    expert's pairs by pair index, not by atomic arrival; rows must not depend on the order either way."""
     from max.driver import CPU
+
+    monkeypatch.setenv("GPTOSS_MAX_ROUTE_ORDER", route_order)
 
     failures = []
     for tokens, experts, width, routing in PERMUTE_SHAPES[target.name]:
         x, ids, w, *weights = _random_mxfp4_inputs(tokens, experts, width, tokens + 3, routing)
         perm = np.random.default_rng(tokens).permutation(tokens)
-        outs = [o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*_on_device(target, [x, ids, w, *weights]))]
+        inputs = _on_device(target, [x, ids, w, *weights])
+        outs = [o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*inputs)]
+        assert all(np.isfinite(o).all() for o in outs)
+        if route_order == "stable":  # the same values as the default order's, up to f32 rounding
+            monkeypatch.setenv("GPTOSS_MAX_ROUTE_ORDER", "arrival")
+            for o, a in zip(outs, (o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*inputs)), strict=True):
+                np.testing.assert_allclose(o, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+            monkeypatch.setenv("GPTOSS_MAX_ROUTE_ORDER", route_order)
         moved = _on_device(target, [x[perm], ids[perm], w[perm], *weights])
         outs_p = [o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*moved)]
         rows = sum(int(np.sum(np.any(o[perm] != p, axis=-1))) for o, p in zip(outs, outs_p, strict=True))
-        report("moe op token order", f"{target.name} T={tokens} E={experts} H=I={width} {routing}: {rows} rows differ")
+        report(
+            "moe op token order",
+            f"{target.name} {route_order} T={tokens} E={experts} H=I={width} {routing}: {rows} rows differ",
+        )
         if rows:
             failures.append((tokens, experts, width, routing, rows))
     assert not failures, f"(tokens, experts, width, routing, rows that differ): {failures}"

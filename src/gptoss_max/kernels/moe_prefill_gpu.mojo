@@ -58,10 +58,11 @@ from max.gpu.memory import (
     external_memory,
     fence_async_view_proxy,
 )
-from max.gpu.primitives.warp import vote
+from max.gpu.primitives.warp import shuffle_idx, vote
 from std.atomic import Atomic, Ordering
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
+from std.os import getenv
 from std.sys import is_gpu
 from std.utils import StaticTuple
 
@@ -302,6 +303,69 @@ def _route_batch(ids: Pointer[Int32, ImmutAnyOrigin], n_pairs: Int, p0: Int) -> 
     return e
 
 
+@always_inline
+def _scatter_stable(
+    sorted: Pointer[Int32, MutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    n_pairs: Int,
+    n_experts: Int,
+    cur: Pointer[Int32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+):
+    """route_kernel's scatter in ascending pair order within each expert (cur: each expert's
+    first free sorted position). Rounds of ROUTE_THREADS consecutive pairs, thread tid taking
+    pair round + tid: its rank among its warp's earlier lanes with the same expert (shuffles),
+    plus the same expert's count in earlier warps of the round (a [warp][expert] table in shared
+    memory), plus cur; then cur moves past the round's pairs. Block-uniform loop; three barriers
+    a round."""
+    var wcnt = stack_allocation[
+        ROUTE_WARPS * PREFILL_MAX_EXPERTS, Int32, address_space=AddressSpace.SHARED
+    ]()
+    var tid = Int(thread_idx.x)
+    var lane = tid & 31
+    var w = tid >> 5
+    for i in range(tid, ROUTE_WARPS * PREFILL_MAX_EXPERTS, ROUTE_THREADS):
+        wcnt[unsafe_offset=i] = 0
+    barrier()
+    for r0 in range(0, n_pairs, ROUTE_THREADS):
+        var p = r0 + tid
+        var e = Int32(-1)
+        if p < n_pairs:
+            e = ids[unsafe_offset=p]
+        var valid = e >= 0 and Int(e) < n_experts
+        var rank = 0
+        var same = 0
+        comptime for j in range(32):
+            var ej = shuffle_idx(e, UInt32(j))
+            if ej == e:
+                same += 1
+                if j < lane:
+                    rank += 1
+        if valid and rank == 0:  # the warp's first lane with this expert
+            wcnt[unsafe_offset=w * PREFILL_MAX_EXPERTS + Int(e)] = Int32(same)
+        barrier()
+        if valid:
+            var base = Int(cur[unsafe_offset=Int(e)]) + rank
+            for v in range(w):
+                base += Int(wcnt[unsafe_offset=v * PREFILL_MAX_EXPERTS + Int(e)])
+            sorted[unsafe_offset=base] = Int32(p)
+        barrier()
+        if valid and rank == 0:
+            _ = Atomic.fetch_add[ordering=Ordering.RELAXED](cur.unsafe_offset(Int(e)), Int32(same))
+            wcnt[unsafe_offset=w * PREFILL_MAX_EXPERTS + Int(e)] = 0
+        barrier()
+
+
+# Route warps for the stable scatter's per-round, per-warp expert counts.
+comptime ROUTE_WARPS = ROUTE_THREADS // 32
+
+
+@always_inline
+def route_order_stable() -> Bool:
+    """`GPTOSS_MAX_ROUTE_ORDER=stable`: the route kernel orders each expert's pairs by pair index
+    instead of by atomic arrival (read at launch; for checks, see route_kernel)."""
+    return getenv("GPTOSS_MAX_ROUTE_ORDER", "arrival") == "stable"
+
+
 def route_kernel(
     meta: Pointer[Int32, MutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
@@ -309,12 +373,15 @@ def route_kernel(
     n_experts_: Int64,
     bm_: Int64,
     absorb_: Int64,
+    stable_: Int64,
 ):
     """One block: meta (layout above) from topk ids [P]. Ids outside [0, E)
     are left out. Order inside an expert is arrival order (any order gives
-    the same results, see the header). The shared-memory counters take
-    relaxed atomics: the barriers order the passes (a sequentially
-    consistent one put a system-scope fence before every atomic)."""
+    the same results, see the header), or with `stable_` ascending pair index
+    (_scatter_stable: the same order every run whatever the header's claim).
+    The shared-memory counters take relaxed atomics: the barriers order the
+    passes (a sequentially consistent one put a system-scope fence before
+    every atomic)."""
     var n_pairs = Int(n_pairs_)
     var n_experts = Int(n_experts_)
     var bm = Int(bm_)
@@ -353,6 +420,9 @@ def route_kernel(
         abs_list[unsafe_offset=0] = Int32(n_abs)
     barrier()
     var sorted = meta.unsafe_offset(meta_sorted(n_experts))
+    if stable_ != 0:
+        _scatter_stable(sorted, ids, n_pairs, n_experts, cur)
+        return
     for p0 in range(tid, n_pairs, ROUTE_THREADS * ROUTE_BATCH):
         var eb = _route_batch(ids, n_pairs, p0)
         comptime for i in range(ROUTE_BATCH):
@@ -1372,8 +1442,8 @@ def _gate_up_cfg[
     var n_pairs = tokens * top_k
     var meta = _meta_ptr(h, n_pairs, rows // 2)
     ctx.enqueue_function[route_kernel](
-        meta, ids, Int64(n_pairs), Int64(n_experts), Int64(BM), Int64(cfg_absorb(c)), grid_dim=1,
-        block_dim=ROUTE_THREADS
+        meta, ids, Int64(n_pairs), Int64(n_experts), Int64(BM), Int64(cfg_absorb(c)),
+        Int64(1 if route_order_stable() else 0), grid_dim=1, block_dim=ROUTE_THREADS
     )
     comptime if cfg_wgmma(c):
         comptime kernel = p2_gemm_kernel[False, BM, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
