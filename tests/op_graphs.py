@@ -1,9 +1,12 @@
-"""Shared by the op tests: which devices to run on, and one op graph built and loaded there."""
+"""Shared by the op tests: which devices to run on, one op graph built and loaded there, and the
+bitwise repeat check."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 
 def op_devices() -> list[str]:
@@ -31,3 +34,31 @@ def skip_past_gpu_bound(kind: str, tokens: int, bound: int) -> None:
 
     if kind == "gpu" and tokens > bound:
         pytest.skip(f"the GPU path takes T <= {bound} by design; the model dispatches larger steps")
+
+
+def host_outputs(model: Any, inputs: list[Any]) -> list[np.ndarray]:
+    """`model.execute(*inputs)`'s outputs as host NumPy arrays."""
+    from max.driver import CPU
+
+    return [o.to(CPU()).to_numpy() for o in model.execute(*inputs)]
+
+
+def repeats_that_differ(
+    model: Any, same: list[Any], other: list[Any], repeats: int, also: Callable[[], np.ndarray] | None = None
+) -> tuple[list[np.ndarray], int]:
+    """Bitwise repeatability: `model` on the inputs `same` once, then `repeats` times more, with the
+    inputs `other` through it before every second repeat. `also()`: one more result read after each
+    run of `same` (a buffer the op updates in place). (The first results, how many of the repeats
+    did not equal them bit for bit.)"""
+
+    def run() -> list[np.ndarray]:
+        out = host_outputs(model, same)
+        return [*out, also()] if also is not None else out
+
+    first = run()
+    differ = 0
+    for r in range(repeats):
+        if r % 2:
+            model.execute(*other)
+        differ += any(not np.array_equal(a, b) for a, b in zip(first, run(), strict=True))
+    return first, differ

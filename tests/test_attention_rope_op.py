@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import pytest
 from gptoss_max.arch.rope import yarn_inv_freq
 from gptoss_max.checkpoint import from_bf16_bits, to_bf16_bits
 from gptoss_max.kernels import reference
-from op_graphs import op_devices
+from op_graphs import host_outputs, op_devices, repeats_that_differ
 from reporting import report
 
 pytestmark = pytest.mark.slow
@@ -98,23 +99,21 @@ def _build(kind: str, shape: Shape, max_rope: bool = False, core: str = "ours"):
         outs = []
         for layer, window in enumerate((WINDOW, None)):
             idx = ops.constant(layer, u32, device=cpu)
-            if core == "max":
+            if max_rope or core == "max":
                 xq = rope_split_store_ragged(
                     kv_params=params, qkv=x, input_row_offsets=offsets.tensor, freqs_cis=freqs, kv_collection=kv,
                     layer_idx=idx, n_heads=shape.n_heads, interleaved=False,
                 ).reshape((-1, shape.n_heads, shape.head_dim))  # fmt: skip
-                sliding = window is not None and kind == "gpu"
-                out = flash_attention_ragged(
-                    params, input=xq, kv_collection=kv, layer_idx=idx, input_row_offsets=offsets.tensor,
-                    mask_variant=MHAMaskVariant.SLIDING_WINDOW_CAUSAL_MASK if sliding else MHAMaskVariant.CAUSAL_MASK,
-                    scale=scale, local_window_size=WINDOW, sink_weights=ops.cast(sinks.tensor, dtype),
-                )  # fmt: skip
-            elif max_rope:
-                xq = rope_split_store_ragged(
-                    kv_params=params, qkv=x, input_row_offsets=offsets.tensor, freqs_cis=freqs, kv_collection=kv,
-                    layer_idx=idx, n_heads=shape.n_heads, interleaved=False,
-                ).reshape((-1, shape.n_heads, shape.head_dim))  # fmt: skip
-                out = attention_with_sinks(xq, kv, idx, offsets.tensor, sinks.tensor, scale, window)
+                if core == "max":
+                    sliding = window is not None and kind == "gpu"
+                    mask = MHAMaskVariant.SLIDING_WINDOW_CAUSAL_MASK if sliding else MHAMaskVariant.CAUSAL_MASK
+                    out = flash_attention_ragged(
+                        params, input=xq, kv_collection=kv, layer_idx=idx, input_row_offsets=offsets.tensor,
+                        mask_variant=mask, scale=scale, local_window_size=WINDOW,
+                        sink_weights=ops.cast(sinks.tensor, dtype),
+                    )  # fmt: skip
+                else:
+                    out = attention_with_sinks(xq, kv, idx, offsets.tensor, sinks.tensor, scale, window)
             else:
                 out = attention_rope_with_sinks(
                     x, freqs, kv, idx, offsets.tensor, sinks.tensor, shape.n_heads, scale, window
@@ -283,8 +282,6 @@ def test_attention_rope_repeats_bitwise(kind: str) -> None:
     """Each case's step again and again (another case's step between every other repeat): the
     outputs and the cache equal the first run's bit for bit (a step only rewrites its own K/V rows
     with the same values, so the same inputs can run again)."""
-    from max.driver import CPU
-
     repeats = 8 if kind == "gpu" else 2
     failures = []
     for i, (shape, cached, new) in enumerate(CASES):
@@ -293,13 +290,7 @@ def test_attention_rope_repeats_bitwise(kind: str) -> None:
         other_case = next(c for c in CASES[i + 1 :] + CASES[:i] if c[0] is shape)
         other = Step(shape, other_case[1], other_case[2], seed=99 + i).inputs(device)
         inputs = step.inputs(device)
-        first = [o.to(CPU()).to_numpy() for o in model.execute(*inputs)] + [step.read_pool(inputs[2])]
-        differ = 0
-        for r in range(repeats):
-            if r % 2:
-                model.execute(*other)
-            again = [o.to(CPU()).to_numpy() for o in model.execute(*inputs)] + [step.read_pool(inputs[2])]
-            differ += any(not np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+        _, differ = repeats_that_differ(model, inputs, other, repeats, also=partial(step.read_pool, inputs[2]))
         report(
             "attention rope op repeats", f"{kind} {shape.name} cached {cached} new {new}: {differ} of {repeats} differ"
         )
@@ -329,12 +320,10 @@ def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
     one where they hold large leftovers, gives the same outputs bit for bit. Ours, and MAX's flash
     attention, which the model's prompt steps run on a GPU (a GPU greedy run was not repeatable,
     bench/results/repeat_h200_20261129.json)."""
-    from max.driver import CPU
-
     failures = []
     for i, (shape, cached, new) in enumerate(STALE_CASES):
         device, model = _model(kind, shape, core=core)
-        outs = []
+        outs, used_before = [], []
         for fill in ("zeros", "leftovers"):
             step = Step(shape, cached, new, seed=11 + i)
             unused = _unused_slots(step)
@@ -344,10 +333,9 @@ def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
                 rnd = reference.round_to_bf16 if shape.bf16 else (lambda a: a.astype(np.float32))
                 step.pool[unused] = rnd(40 * np.random.default_rng(i).standard_normal(int(unused.sum())))
             inputs = step.inputs(device)
-            pool = step.read_pool(inputs[2])  # before: the used slots are the same in both
-            outs.append([o.to(CPU()).to_numpy() for o in model.execute(*inputs)])
-            outs[-1].append(step.read_pool(inputs[2])[~unused])
-            assert np.array_equal(pool[~unused], pool[~unused])
+            used_before.append(step.read_pool(inputs[2])[~unused])
+            outs.append([*host_outputs(model, inputs), step.read_pool(inputs[2])[~unused]])
+        assert np.array_equal(*used_before), "both pools start with the same sequences"
         differ = [j for j, (a, b) in enumerate(zip(*outs, strict=True)) if not np.array_equal(a, b)]
         report(
             "attention stale slots",
@@ -368,15 +356,12 @@ FAR_PAGES = {"cpu": 700, "gpu": 66_000}  # gpu: 66,000 pages x 65,536 elements =
 def test_attention_reads_far_pages(kind: str, core: str) -> None:
     """The same step with its pages at the start of a small pool and at the end of a large one: the
     same outputs bit for bit (an offset computed in 32 bits would read elsewhere)."""
-    from max.driver import CPU
-
     failures = []
     for i, (shape, cached, new) in enumerate([STALE_CASES[0], STALE_CASES[2], STALE_CASES[4]]):
         device, model = _model(kind, shape, core=core)
-        step = Step(shape, cached, new, seed=23 + i)
-        near = [o.to(CPU()).to_numpy() for o in model.execute(*step.inputs(device))]
-        step = Step(shape, cached, new, seed=23 + i)  # the cache again as it was before the step
-        far = [o.to(CPU()).to_numpy() for o in model.execute(*step.inputs(device, FAR_PAGES[kind]))]
+        near = host_outputs(model, Step(shape, cached, new, seed=23 + i).inputs(device))
+        # a new Step: the cache again as it was before the step
+        far = host_outputs(model, Step(shape, cached, new, seed=23 + i).inputs(device, FAR_PAGES[kind]))
         differ = [j for j, (a, b) in enumerate(zip(near, far, strict=True)) if not np.array_equal(a, b)]
         report("attention far pages", f"{kind} {core} cached {cached} new {new}: layers that differ {differ}")
         if differ:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gptoss_max.kernels import reference
-from op_graphs import load_op_graph, op_devices, skip_past_gpu_bound
+from op_graphs import load_op_graph, op_devices, repeats_that_differ, skip_past_gpu_bound
 from reporting import report
 
 
@@ -124,7 +124,7 @@ def test_gemv_refuses_wrong_dtype_and_odd_k() -> None:
 def test_gemv_tensor_cores_repeat_bitwise(gemv_tc_model, tokens, n, k) -> None:
     """The model's dense projections of small steps (qkv, o_proj, router): the same inputs again and
     again (others between every other repeat) give the first result bit for bit."""
-    from max.driver import CPU, Buffer
+    from max.driver import Buffer
 
     kind, device, model = gemv_tc_model
 
@@ -134,13 +134,9 @@ def test_gemv_tensor_cores_repeat_bitwise(gemv_tc_model, tokens, n, k) -> None:
         return [Buffer.from_numpy(a.astype(np.float32)).to(device) for a in arrays]
 
     same, other = inputs(1), inputs(2)
-    (first,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
     repeats = 8 if kind == "gpu" else 2
-    for r in range(repeats):
-        if r % 2:
-            model.execute(*other)
-        (again,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
-        np.testing.assert_array_equal(first, again, err_msg=f"repeat {r + 1} of {repeats}")
+    _, differ = repeats_that_differ(model, same, other, repeats)
+    assert differ == 0, f"{differ} of {repeats} repeats differ"
 
 
 @pytest.fixture(scope="module", params=op_devices())
@@ -173,7 +169,7 @@ def test_max_linear_repeats_bitwise(max_linear_model) -> None:
     """MAX's matmul at the model's shapes, the same inputs again and again (others between every
     other repeat): the first result bit for bit. Not ours, but a whole-model GPU run was not
     repeatable (bench/results/repeat_h200_20261129.json) and this is where MAX would add to it."""
-    from max.driver import CPU, Buffer
+    from max.driver import Buffer
 
     kind, device, model = max_linear_model
     repeats = 8 if kind == "gpu" else 2
@@ -184,13 +180,7 @@ def test_max_linear_repeats_bitwise(max_linear_model) -> None:
         w = [(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float32) for _ in range(2)]
         same = [Buffer.from_numpy(a).to(device) for a in (x[0], w[0])]
         other = [Buffer.from_numpy(a).to(device) for a in (x[1], w[1])]
-        (first,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
-        differ = 0
-        for r in range(repeats):
-            if r % 2:
-                model.execute(*other)
-            (again,) = (y.to(CPU()).to_numpy() for y in model.execute(*same))
-            differ += not np.array_equal(first, again)
+        _, differ = repeats_that_differ(model, same, other, repeats)
         report("max linear repeats", f"{kind} T={tokens} N={n} K={k}: {differ} of {repeats} differ")
         if differ:
             failures.append((tokens, n, k, differ))

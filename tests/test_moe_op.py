@@ -16,7 +16,7 @@ import pytest
 
 from gptoss_max import mxfp4
 from gptoss_max.kernels import reference
-from op_graphs import op_devices
+from op_graphs import host_outputs, op_devices, repeats_that_differ
 from reporting import report
 
 pytestmark = pytest.mark.slow
@@ -509,20 +509,12 @@ def _on_device(target: Target, arrays) -> list:
 def _repeat_check(target: Target, model, make_inputs, label: str) -> None:
     """Each shape's inputs through `model` REPEATS times (other inputs between every other
     repeat): every result must equal the first bit for bit."""
-    from max.driver import CPU
-
     failures = []
     for tokens, experts, width, routing in REPEAT_SHAPES[target.name]:
         same = _on_device(target, make_inputs(tokens, experts, width, tokens, routing))
         other = _on_device(target, make_inputs(max(tokens // 2, 1), experts, width, tokens + 1, "random"))
-        first = [o.to(CPU()).to_numpy() for o in model.execute(*same)]
+        first, differ = repeats_that_differ(model, same, other, REPEATS[target.name])
         assert all(np.isfinite(f).all() for f in first)
-        differ = 0
-        for r in range(REPEATS[target.name]):
-            if r % 2:
-                model.execute(*other)
-            again = [o.to(CPU()).to_numpy() for o in model.execute(*same)]
-            differ += any(not np.array_equal(a, b) for a, b in zip(first, again, strict=True))
         report(
             label,
             f"{target.name} T={tokens} E={experts} H=I={width} {routing}: {differ} of {REPEATS[target.name]} differ",
@@ -563,8 +555,6 @@ PERMUTE_SHAPES = {
 def test_moe_mxfp4_rows_do_not_depend_on_token_order(target: Target, mxfp4_model, route_order, monkeypatch) -> None:
     """`stable` (GPTOSS_MAX_ROUTE_ORDER, read at each GPU launch): the route kernel orders an
     expert's pairs by pair index, not by atomic arrival; rows must not depend on the order either way."""
-    from max.driver import CPU
-
     monkeypatch.setenv("GPTOSS_MAX_ROUTE_ORDER", route_order)
 
     failures = []
@@ -572,15 +562,14 @@ def test_moe_mxfp4_rows_do_not_depend_on_token_order(target: Target, mxfp4_model
         x, ids, w, *weights = _random_mxfp4_inputs(tokens, experts, width, tokens + 3, routing)
         perm = np.random.default_rng(tokens).permutation(tokens)
         inputs = _on_device(target, [x, ids, w, *weights])
-        outs = [o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*inputs)]
+        outs = host_outputs(mxfp4_model, inputs)
         assert all(np.isfinite(o).all() for o in outs)
         if route_order == "stable":  # the same values as the default order's, up to f32 rounding
             monkeypatch.setenv("GPTOSS_MAX_ROUTE_ORDER", "arrival")
-            for o, a in zip(outs, (o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*inputs)), strict=True):
+            for o, a in zip(outs, host_outputs(mxfp4_model, inputs), strict=True):
                 np.testing.assert_allclose(o, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
             monkeypatch.setenv("GPTOSS_MAX_ROUTE_ORDER", route_order)
-        moved = _on_device(target, [x[perm], ids[perm], w[perm], *weights])
-        outs_p = [o.to(CPU()).to_numpy() for o in mxfp4_model.execute(*moved)]
+        outs_p = host_outputs(mxfp4_model, _on_device(target, [x[perm], ids[perm], w[perm], *weights]))
         rows = sum(int(np.sum(np.any(o[perm] != p, axis=-1))) for o, p in zip(outs, outs_p, strict=True))
         report(
             "moe op token order",
