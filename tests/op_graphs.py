@@ -62,3 +62,32 @@ def repeats_that_differ(
             model.execute(*other)
         differ += any(not np.array_equal(a, b) for a, b in zip(first, run(), strict=True))
     return first, differ
+
+
+POISONS = ("zero", "small", "big", "nan")  # GPTOSS_MAX_POISON's fills (kernels/poison.mojo)
+
+
+def poisons_that_differ(model: Any, inputs: list[Any], outputs: list[int] | None = None) -> list[str]:
+    """Which of GPTOSS_MAX_POISON's fills change `model`'s outputs (those at `outputs`, else all):
+    each op of ours fills its outputs with that byte before it runs, so an op that reads an output
+    (or its scratch) before writing it shows here, where a repeat does not (MAX gives a repeat the
+    same leftovers). Empty: the outputs are the same bits under every fill."""
+    import os
+
+    def pick(out: list[np.ndarray]) -> list[np.ndarray]:
+        return out if outputs is None else [out[i] for i in outputs]
+
+    saved = os.environ.pop("GPTOSS_MAX_POISON", None)
+    try:
+        plain = pick(host_outputs(model, inputs))
+        differ = []
+        for fill in POISONS:
+            os.environ["GPTOSS_MAX_POISON"] = fill
+            got = pick(host_outputs(model, inputs))
+            if any(not np.array_equal(a, b) for a, b in zip(plain, got, strict=True)):
+                differ.append(fill)
+        return differ
+    finally:
+        os.environ.pop("GPTOSS_MAX_POISON", None)
+        if saved is not None:
+            os.environ["GPTOSS_MAX_POISON"] = saved

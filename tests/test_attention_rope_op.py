@@ -20,7 +20,7 @@ import pytest
 from gptoss_max.arch.rope import yarn_inv_freq
 from gptoss_max.checkpoint import from_bf16_bits, to_bf16_bits
 from gptoss_max.kernels import reference
-from op_graphs import host_outputs, op_devices, repeats_that_differ
+from op_graphs import host_outputs, op_devices, poisons_that_differ, repeats_that_differ
 from reporting import report
 
 pytestmark = pytest.mark.slow
@@ -312,6 +312,18 @@ def _unused_slots(step: Step) -> np.ndarray:
 STALE_CASES = [*CASES[:4], (GPTOSS, [0], [69]), (GPTOSS, [100, 0], [29, 40])]
 
 
+def _how_far(runs: list[list[np.ndarray]], step: Step) -> str:
+    """Two runs' layer outputs that should be equal: how far apart they are, and each one's relative
+    error against the float64 reference (a rounding-level difference, or a wrong result?)."""
+    want, _ = step.expected()
+    apart = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(runs[0][:2], runs[1][:2], strict=True))
+    errs = [
+        max(float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(run[:2], want, strict=True))
+        for run in runs
+    ]
+    return f"max |diff| {apart:.3g}, rel err against float64 {errs[0]:.2e} / {errs[1]:.2e}"
+
+
 @pytest.mark.parametrize("core", ["ours", "max"])
 @pytest.mark.parametrize("kind", op_devices())
 def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
@@ -339,11 +351,28 @@ def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
         differ = [j for j, (a, b) in enumerate(zip(*outs, strict=True)) if not np.array_equal(a, b)]
         report(
             "attention stale slots",
-            f"{kind} {core} {shape.name} cached {cached} new {new}: outputs that differ {differ}",
+            f"{kind} {core} {shape.name} cached {cached} new {new}: outputs that differ {differ}"
+            + (f"; {_how_far(outs, step)}" if differ else ""),
         )
         if differ:
             failures.append((shape.name, cached, new, differ))
     assert not failures, f"(shape, cached, new, outputs that differ: 0/1 layers, 2 the used cache): {failures}"
+
+
+@pytest.mark.parametrize("kind", op_devices())
+def test_attention_rope_outputs_ignore_what_their_memory_held(kind: str) -> None:
+    """Our attention op gives the same bits whatever byte its outputs and split scratch held before
+    it ran (GPTOSS_MAX_POISON; op_graphs.poisons_that_differ): decode, mixed and prompt steps."""
+    failures = []
+    for i, (shape, cached, new) in enumerate(STALE_CASES if kind == "gpu" else STALE_CASES[2:5]):
+        device, model = _model(kind, shape)
+        differ = poisons_that_differ(model, Step(shape, cached, new, seed=31 + i).inputs(device), outputs=[0, 1])
+        report(
+            "attention poison", f"{kind} {shape.name} cached {cached} new {new}: fills that change the outputs {differ}"
+        )
+        if differ:
+            failures.append((shape.name, cached, new, differ))
+    assert not failures, f"(shape, cached, new, fills that change the outputs): {failures}"
 
 
 # Pages past 2^31 elements (and 2^32 bytes) of the pool on a GPU: a 24-layer model's 128-slot page
@@ -363,7 +392,11 @@ def test_attention_reads_far_pages(kind: str, core: str) -> None:
         # a new Step: the cache again as it was before the step
         far = host_outputs(model, Step(shape, cached, new, seed=23 + i).inputs(device, FAR_PAGES[kind]))
         differ = [j for j, (a, b) in enumerate(zip(near, far, strict=True)) if not np.array_equal(a, b)]
-        report("attention far pages", f"{kind} {core} cached {cached} new {new}: layers that differ {differ}")
+        report(
+            "attention far pages",
+            f"{kind} {core} cached {cached} new {new}: layers that differ {differ}"
+            + (f"; {_how_far([near, far], Step(shape, cached, new, seed=23 + i))}" if differ else ""),
+        )
         if differ:
             failures.append((cached, new, differ))
     assert not failures, f"(cached, new, layers that differ): {failures}"

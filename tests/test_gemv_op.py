@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gptoss_max.kernels import reference
-from op_graphs import load_op_graph, op_devices, repeats_that_differ, skip_past_gpu_bound
+from op_graphs import load_op_graph, op_devices, poisons_that_differ, repeats_that_differ, skip_past_gpu_bound
 from reporting import report
 
 
@@ -137,6 +137,8 @@ def test_gemv_tensor_cores_repeat_bitwise(gemv_tc_model, tokens, n, k) -> None:
     repeats = 8 if kind == "gpu" else 2
     _, differ = repeats_that_differ(model, same, other, repeats)
     assert differ == 0, f"{differ} of {repeats} repeats differ"
+    # nor on what the outputs' memory held before (GPTOSS_MAX_POISON)
+    assert poisons_that_differ(model, same) == []
 
 
 @pytest.fixture(scope="module", params=op_devices())

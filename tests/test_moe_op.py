@@ -16,7 +16,7 @@ import pytest
 
 from gptoss_max import mxfp4
 from gptoss_max.kernels import reference
-from op_graphs import host_outputs, op_devices, repeats_that_differ
+from op_graphs import host_outputs, op_devices, poisons_that_differ, repeats_that_differ
 from reporting import report
 
 pytestmark = pytest.mark.slow
@@ -578,3 +578,43 @@ def test_moe_mxfp4_rows_do_not_depend_on_token_order(target: Target, mxfp4_model
         if rows:
             failures.append((tokens, experts, width, routing, rows))
     assert not failures, f"(tokens, experts, width, routing, rows that differ): {failures}"
+
+
+# What the op's output memory held before it ran must not reach its results (GPTOSS_MAX_POISON,
+# kernels/poison.mojo): MAX gives an op's outputs and scratch memory that other tensors just left,
+# and a repeat sees the same leftovers each time, so the repeat checks above cannot show such a
+# read. A 24-layer model on an H200 was not repeatable with the prefill GEMM where it was with the
+# decode kernel (bench/NOTES.md, "Greedy repeatability, third session"). Shapes: every decode and
+# prefill path of both ops, gpt-oss widths on the GPU (69 tokens of 20b: c7, that model's prompt;
+# 1024: c5; 120b 512: c7; 4096: c10 with its absorbed tiles).
+POISON_SHAPES = {
+    "cpu": [(1, 8, 64, "random"), (77, 8, 128, "skewed"), (288, 8, 128, "random")],
+    "gpu": [(1, 8, 64, "random"), (77, 8, 128, "skewed"), (288, 8, 128, "random"), (1, 32, 2880, "random"),
+            (5, 32, 2880, "random"), (64, 32, 2880, "random"), (69, 32, 2880, "random"),
+            (69, 32, 2880, "skewed"), (300, 32, 2880, "skewed"), (1024, 32, 2880, "random"),
+            (1, 128, 2880, "random"), (512, 128, 2880, "random"), (4096, 128, 2880, "random")],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["topk_given", "routed"])
+def test_moe_mxfp4_outputs_ignore_what_their_memory_held(target: Target, routed: bool, request) -> None:
+    """Both MoE op pairs give the same bits whatever byte their outputs and scratch held."""
+    model = request.getfixturevalue("routed_model" if routed else "mxfp4_model")
+    failures = []
+    for tokens, experts, width, routing in POISON_SHAPES[target.name]:
+        x, ids, w, *weights = _random_mxfp4_inputs(tokens, experts, width, tokens + 5, routing)
+        if routed:  # logits whose top-4 are the ids above, best first
+            logits = np.random.default_rng(tokens).standard_normal((tokens, experts)).astype(np.float32)
+            np.put_along_axis(logits, ids, 10.0 + 4.0 - np.arange(4, dtype=np.float32), axis=1)
+            arrays = [x, logits, *weights]
+        else:
+            arrays = [x, ids, w, *weights]
+        differ = poisons_that_differ(model, _on_device(target, arrays))
+        report(
+            "moe op poison",
+            f"{target.name} {'routed' if routed else 'topk given'} T={tokens} E={experts} H=I={width} {routing}: "
+            f"fills that change the outputs {differ}",
+        )
+        if differ:
+            failures.append((tokens, experts, width, routing, differ))
+    assert not failures, f"(tokens, experts, width, routing, fills that change the outputs): {failures}"

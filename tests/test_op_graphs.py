@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from op_graphs import repeats_that_differ
+from op_graphs import POISONS, poisons_that_differ, repeats_that_differ
 
 
 class _Out:
@@ -45,3 +47,23 @@ def test_repeats_that_differ_interleaves_and_counts():
 class _Steady:
     def execute(self, *inputs):
         return [_Out(np.array([3.0], np.float32))]
+
+
+class _ReadsItsOutput:
+    """An op whose second output starts from what its buffer held (GPTOSS_MAX_POISON's byte) when
+    that byte is 0x7b or 0xff; its first output is always written."""
+
+    def execute(self, *inputs):
+        fill = os.environ.get("GPTOSS_MAX_POISON")
+        held = np.float32(1e36) if fill in ("big", "nan") else np.float32(0)
+        return [_Out(np.array([1.0], np.float32)), _Out(np.array([2.0], np.float32) + held)]
+
+
+def test_poisons_that_differ_names_the_fills_that_change_outputs(monkeypatch):
+    monkeypatch.setenv("GPTOSS_MAX_POISON", "small")  # the caller's setting comes back afterwards
+    assert poisons_that_differ(_ReadsItsOutput(), ["x"]) == ["big", "nan"]
+    assert poisons_that_differ(_ReadsItsOutput(), ["x"], outputs=[0]) == []
+    assert os.environ["GPTOSS_MAX_POISON"] == "small"
+    monkeypatch.delenv("GPTOSS_MAX_POISON")
+    assert poisons_that_differ(_Steady(), ["x"]) == [] and "GPTOSS_MAX_POISON" not in os.environ
+    assert POISONS == ("zero", "small", "big", "nan")

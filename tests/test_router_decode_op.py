@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gptoss_max.kernels import reference
-from op_graphs import load_op_graph, op_devices, repeats_that_differ, skip_past_gpu_bound
+from op_graphs import load_op_graph, op_devices, poisons_that_differ, repeats_that_differ, skip_past_gpu_bound
 
 EPS = 1e-5
 
@@ -127,3 +127,5 @@ def test_router_decode_repeats_bitwise(router_model, tokens, experts, hidden) ->
     repeats = 8 if kind == "gpu" else 2
     _, differ = repeats_that_differ(model, same, other, repeats)
     assert differ == 0, f"{differ} of {repeats} repeats differ"
+    # nor on what the outputs' memory held before (GPTOSS_MAX_POISON)
+    assert poisons_that_differ(model, same) == []

@@ -13,6 +13,7 @@ from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
 
 from .pdl import pdl_attributes, pdl_enter
+from .poison import poison
 
 # Dense bf16 projections of decode steps: y = x W^T + b (W [N, K] row-major,
 # as MAX's Linear stores it). Two GPU paths:
@@ -366,6 +367,7 @@ struct Gemv:
         var xp = x.unsafe_ptr()
         var wp = w.unsafe_ptr()
         var bp = bias.unsafe_ptr()
+        poison[target](ctx, yp, tokens * n)
 
         comptime if target == "gpu" and tc:
             if tokens > SKINNY_MAX_TOKENS or k % 32 != 0:

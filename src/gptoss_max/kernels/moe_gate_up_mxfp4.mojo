@@ -9,6 +9,7 @@ from .moe_common import gptoss_swiglu
 from .moe_gpu import CHUNK_TOKENS, launch_gate_up, n_counters
 from .moe_prefill_gpu import launch_prefill_gate_up, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
+from .poison import poison
 
 
 def gate_up_cpu[
@@ -167,6 +168,8 @@ struct MoeGateUpMxfp4:
         var top_k = topk_ids.dim_size[1]()
         var n_count = counters.dim_size[0]()
         check_gate_up(n_count, rows, hidden, "gptoss_moe_gate_up_mxfp4")
+        poison[target](ctx, output.unsafe_ptr(), output.dim_size[0]() * output.dim_size[1]() * output.dim_size[2]())
+        poison[target](ctx, counters.unsafe_ptr(), n_count)
 
         comptime if target == "gpu":
             gate_up_gpu[x.dtype](

@@ -6,6 +6,7 @@ from .moe_gate_up_mxfp4 import check_gate_up, gate_up_cpu, gate_up_gpu
 from .moe_gpu import launch_route_gate_up
 from .moe_prefill_gpu import prefill_choice
 from .router_topk import check_topk, router_topk
+from .poison import poison
 
 
 @extensibility.register("gptoss_moe_route_gate_up_mxfp4")
@@ -63,6 +64,10 @@ struct MoeRouteGateUpMxfp4:
         check_topk(n_experts, top_k, who)
         if logits.dim_size[1]() != n_experts:
             raise Error(String(who) + ": logits must have one column per expert")
+        poison[target](ctx, output.unsafe_ptr(), output.dim_size[0]() * output.dim_size[1]() * output.dim_size[2]())
+        poison[target](ctx, counters.unsafe_ptr(), n_count)
+        poison[target](ctx, idp, ids.dim_size[0]() * ids.dim_size[1]())
+        poison[target](ctx, wp, weights.dim_size[0]() * weights.dim_size[1]())
 
         comptime if target == "gpu":
             var one_launch = tokens == 1

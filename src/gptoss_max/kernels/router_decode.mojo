@@ -14,6 +14,7 @@ from std.utils.static_tuple import StaticTuple
 
 from .gemv import bf16_pair_f32, launch_tc
 from .pdl import pdl_attributes, pdl_enter
+from .poison import poison
 
 # The head of a decode step's MoE block in one launch: the residual add after
 # attention, the post-attention RMS norm and the router's logits,
@@ -486,6 +487,9 @@ struct RouterDecode:
         var gp = gamma.unsafe_ptr()
         var wp = w.unsafe_ptr()
         var bp = bias.unsafe_ptr()
+        poison[target](ctx, hp, tokens * k)
+        poison[target](ctx, xp, tokens * k)
+        poison[target](ctx, lp, tokens * n)
 
         comptime if target == "gpu":
             if k > RD_MAX_CHUNKS * 256:

@@ -13,6 +13,7 @@ from std.utils.coord import Coord
 from std.utils.static_tuple import StaticTuple
 
 from .pdl import pdl_attributes, pdl_enter
+from .poison import poison
 
 # The MoE router's tail in one op: top-k of each token's expert logits, then
 # the softmax over those k, which the expert ops take (ids int32, weights
@@ -310,6 +311,8 @@ struct RouterTopK:
         var n_experts = logits.dim_size[1]()
         var top_k = ids.dim_size[1]()
         check_topk(n_experts, top_k, "gptoss_router_topk")
+        poison[target](ctx, ids.unsafe_ptr(), ids.dim_size[0]() * ids.dim_size[1]())
+        poison[target](ctx, weights.unsafe_ptr(), weights.dim_size[0]() * weights.dim_size[1]())
         router_topk[target, logits.dtype](
             ids.unsafe_ptr(), weights.unsafe_ptr(), logits.unsafe_ptr(), logits.dim_size[0](), n_experts, top_k, ctx
         )
