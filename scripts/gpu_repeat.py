@@ -58,7 +58,13 @@ def top2_margins(logits: np.ndarray) -> list[float]:
 
 
 # What a variant may set: the run settings and the kernels' own switches (read in Mojo).
-VARIANT_SETTINGS = (*RUN_SETTINGS, "GPTOSS_MAX_PDL", "GPTOSS_MAX_ATTN_ONE_WARPS", "GPTOSS_MAX_ROUTE_ORDER", "GPTOSS_MAX_POISON")
+VARIANT_SETTINGS = (
+    *RUN_SETTINGS,
+    "GPTOSS_MAX_PDL",
+    "GPTOSS_MAX_ATTN_ONE_WARPS",
+    "GPTOSS_MAX_ROUTE_ORDER",
+    "GPTOSS_MAX_POISON",
+)
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:

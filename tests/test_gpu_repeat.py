@@ -66,6 +66,12 @@ def test_parse_variant():
         "moe_decode",
         {"GPTOSS_MAX_MOE_PATH": "decode", "GPTOSS_MAX_PDL": "0"},
     )
+    # the planned call's variants (docs/GPU.md, "Greedy repeatability")
+    assert repeat.parse_variant("attn_ours_poison:GPTOSS_MAX_ATTENTION=ours,GPTOSS_MAX_POISON=nan")[1] == {
+        "GPTOSS_MAX_ATTENTION": "ours",
+        "GPTOSS_MAX_POISON": "nan",
+    }
+    assert repeat.parse_variant("s:GPTOSS_MAX_ROUTE_ORDER=stable")[1] == {"GPTOSS_MAX_ROUTE_ORDER": "stable"}
     for bad in ["x:HOME=/", "x:GPTOSS_MAX_DENSE", ":GPTOSS_MAX_DENSE=max", "a/b"]:
         with pytest.raises(ValueError):
             repeat.parse_variant(bad)
