@@ -472,21 +472,23 @@ def test_router_topk_refuses_bad_k() -> None:
 # of 20b: c5). "skewed": every token routed to experts 0..3, as a random model's deep layers can
 # do: each of them gets every token, so its last tile is a short one (69 = 64 + 5 in c7, 300 =
 # 2 x 128 + 44 in c5), and which pairs land there follows the route kernel's atomic arrival order.
+# "bigscale": scale bytes above 128 in some 16-row groups (the second multiply, p16).
 REPEAT_SHAPES = {
     "cpu": [(1, 8, 64, "random"), (64, 8, 128, "random"), (77, 8, 128, "random"), (288, 8, 128, "random"),
             (77, 8, 128, "skewed")],
     "gpu": [(1, 8, 64, "random"), (77, 8, 128, "random"), (288, 8, 128, "random"), (1, 32, 2880, "random"),
             (64, 32, 2880, "random"), (69, 32, 2880, "random"), (101, 32, 2880, "random"),
             (1024, 32, 2880, "random"), (1, 128, 2880, "random"), (512, 128, 2880, "random"),
-            (69, 32, 2880, "skewed"), (300, 32, 2880, "skewed")],
+            (69, 32, 2880, "skewed"), (300, 32, 2880, "skewed"), (69, 32, 2880, "bigscale"),
+            (1024, 32, 2880, "bigscale")],
 }  # fmt: skip
 REPEATS = {"cpu": 3, "gpu": 12}
 
 
 def _random_mxfp4_inputs(tokens: int, experts: int, width: int, seed: int, routing: str = "random") -> list:
     """Op inputs of random MXFP4 bytes (any byte is a valid pair of codes, in any layout) with
-    gpt-oss-like scale bytes (2^-7 .. 2^-3), activations, and random routing ("skewed": every
-    token to experts 0..3, in a random order)."""
+    gpt-oss-like scale bytes (2^-7 .. 2^-3; "bigscale": 2^-9 .. 2^8), activations, and random
+    routing ("skewed": every token to experts 0..3, in a random order)."""
     rng = np.random.default_rng(seed)
     if routing == "skewed":
         ids = np.stack([rng.permutation(4) for _ in range(tokens)]).astype(np.int32)
@@ -494,7 +496,10 @@ def _random_mxfp4_inputs(tokens: int, experts: int, width: int, seed: int, routi
         ids = np.stack([rng.choice(experts, 4, replace=False) for _ in range(tokens)]).astype(np.int32)
     w = rng.random((tokens, 4)).astype(np.float32)
     blocks = [rng.integers(0, 256, (experts, rows, width // 2), dtype=np.uint8) for rows in (2 * width, width)]
-    scales = [rng.integers(120, 125, (experts, rows, width // 32), dtype=np.uint8) for rows in (2 * width, width)]
+    # "bigscale": random routing, scale bytes up to 2^8 (above 128 the GPU decode takes a second
+    # multiply, chosen per warpgroup in the prefill GEMM: p16)
+    lo, hi = (118, 136) if routing == "bigscale" else (120, 125)
+    scales = [rng.integers(lo, hi, (experts, rows, width // 32), dtype=np.uint8) for rows in (2 * width, width)]
     bias = [(0.1 * rng.standard_normal((experts, rows))).astype(np.float32) for rows in (2 * width, width)]
     x = rng.standard_normal((tokens, width)).astype(np.float32)
     return [x, ids, w, blocks[0], scales[0], bias[0], blocks[1], scales[1], bias[1]]
@@ -532,7 +537,7 @@ def test_moe_mxfp4_routed_repeats_bitwise(target: Target, routed_model) -> None:
     """The op that takes the router's top-k itself (a one-token step's default on the GPU)."""
 
     def make(tokens, experts, width, seed, routing):
-        x, _ids, _w, *weights = _random_mxfp4_inputs(tokens, experts, width, seed)  # the logits route
+        x, _ids, _w, *weights = _random_mxfp4_inputs(tokens, experts, width, seed, routing)  # the logits route
         logits = np.random.default_rng(seed + 7).standard_normal((tokens, experts)).astype(np.float32)
         if routing == "skewed":  # experts 0..3 first for every token
             logits[:, :4] += 20.0
@@ -592,7 +597,8 @@ POISON_SHAPES = {
     "gpu": [(1, 8, 64, "random"), (77, 8, 128, "skewed"), (288, 8, 128, "random"), (1, 32, 2880, "random"),
             (5, 32, 2880, "random"), (64, 32, 2880, "random"), (69, 32, 2880, "random"),
             (69, 32, 2880, "skewed"), (300, 32, 2880, "skewed"), (1024, 32, 2880, "random"),
-            (1, 128, 2880, "random"), (512, 128, 2880, "random"), (4096, 128, 2880, "random")],
+            (1, 128, 2880, "random"), (512, 128, 2880, "random"), (4096, 128, 2880, "random"),
+            (69, 32, 2880, "bigscale"), (1024, 32, 2880, "bigscale")],
 }  # fmt: skip
 
 
