@@ -64,6 +64,7 @@ VARIANT_SETTINGS = (
     "GPTOSS_MAX_ATTN_ONE_WARPS",
     "GPTOSS_MAX_ROUTE_ORDER",
     "GPTOSS_MAX_POISON",
+    "GPTOSS_MAX_TAP",
 )
 
 
@@ -186,7 +187,48 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path, env: dict[str, str]
     if rc != 0:
         return {"error": f"exit {rc}", "log_tail": log.read_text(errors="replace").strip().splitlines()[-5:]}
     run = json.loads(save.read_text())
+    if env.get("GPTOSS_MAX_TAP") == "on":
+        run["taps"] = taps_summary(log.read_text(errors="replace"))
     return {**run, **summarize(run), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def taps_summary(log: str) -> dict[str, Any]:
+    """Where runs of the same step first differ, from a `GPTOSS_MAX_TAP=on` worker's log
+    (kernels/tap.mojo): the taps print `gptoss_tap <tag> <elements> <hash>` in tag order at every
+    step, and the graph build `gptoss_tap_label <tag> <label>`. Steps are grouped by their first
+    tap (the step's size and layer 0's qkv, i.e. its tokens); in the largest group of multi-token
+    steps (the prompt's passes) each step is compared with the first, tap by tap."""
+    import re
+
+    labels = {int(t): lab for t, lab in re.findall(r"^gptoss_tap_label (\d+) (.+)$", log, re.M)}
+    steps: list[list[tuple[int, int, int]]] = []
+    for t, n, h in re.findall(r"gptoss_tap (\d+) (\d+) (\d+)", log):
+        if int(t) == 0 or not steps:
+            steps.append([])
+        steps[-1].append((int(t), int(n), int(h)))
+    groups: dict[tuple[int, int], list[list[tuple[int, int, int]]]] = {}
+    for step in steps:
+        if step[0][0] == 0 and step[0][1] > 0:
+            groups.setdefault(step[0][1:], []).append(step)
+    sizes = sorted({n for n, _h in groups})
+    # per step size (elements at the first tap), how many different first taps: > 1 for the prompt's
+    # size means its passes already differ at the first tap, or that another prompt has that size
+    by_size = {str(n): sum(1 for m, _h in groups if m == n) for n in sizes}
+    multi = [g for (n, _h), g in groups.items() if len(g) > 1 and (n > sizes[0] or len(sizes) == 1)]
+    if not multi:
+        return {"steps": len(steps), "labels": len(labels), "first_taps_by_size": by_size, "compared": 0}
+    group = max(multi, key=len)
+    first = {t: h for t, _n, h in group[0]}
+    diffs = []
+    for j, step in enumerate(group[1:], 1):
+        tag = next((t for t, _n, h in step if first.get(t) != h), None)
+        diffs.append({"pass": j, "first_tap": tag, "label": labels.get(tag) if tag is not None else None})
+    where: dict[str, int] = {}
+    for d in diffs:
+        if d["label"] is not None:
+            where[d["label"]] = where.get(d["label"], 0) + 1
+    return {"steps": len(steps), "labels": len(labels), "first_taps_by_size": by_size, "compared": len(group),
+            "first_differing": where, "passes": diffs}  # fmt: skip
 
 
 def describe(mode: dict[str, Any]) -> str:
@@ -196,7 +238,9 @@ def describe(mode: dict[str, Any]) -> str:
         return f"skipped: {mode['skipped']}"
     logits = {k: v for k, v in mode["logits"].items() if k != "top2_margin"}
     prefill = f", prefill passes {mode['prefill']}" if "prefill" in mode else ""
-    return f"repeatable {mode['repeatable']}, {mode['differences']}, logits {logits}{prefill}"
+    tap_info = {k: v for k, v in mode.get("taps", {}).items() if k != "passes"}
+    taps = f", taps {tap_info}" if "taps" in mode else ""
+    return f"repeatable {mode['repeatable']}, {mode['differences']}, logits {logits}{prefill}{taps}"
 
 
 def main(argv: list[str] | None = None) -> int:

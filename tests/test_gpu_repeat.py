@@ -116,10 +116,12 @@ def test_graph_capture_on_a_cpu_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_greedy_decoding_repeats_on_the_cpu(tmp_path):
-    """The CPU's float32 graph: every run of A equal, B between them included, logits bitwise equal."""
+    """The CPU's float32 graph: every run of A equal, B between them included, logits bitwise equal.
+    With GPTOSS_MAX_TAP on (kernels/tap.mojo), so the taps' hashes of the prompt's passes agree too."""
     rc = repeat.main(["--device", "cpu", "--model", "synthetic:tiny", "--capture", "off", "--repeats", "2",
                       "--tokens", "6", "--prompt-len", "40", "--forced-runs", "3", "--prefills", "3",
-                      "--timeout", "1200", "--out", str(tmp_path)])  # fmt: skip
+                      "--timeout", "1200", "--variant", "default:GPTOSS_MAX_TAP=on",
+                      "--out", str(tmp_path)])  # fmt: skip
     (path,) = tmp_path.glob("repeat_cpu_*.json")
     result = json.loads(path.read_text())
     mode = result["variants"]["default"]["modes"]["off"]
@@ -132,3 +134,31 @@ def test_greedy_decoding_repeats_on_the_cpu(tmp_path):
     assert len(mode["logits"]["top2_margin"]) == 6 and min(mode["logits"]["top2_margin"]) >= 0
     assert mode["logits"]["passes"] == 3 and mode["logits"]["differ"] == []
     assert mode["prefill"] == {"passes": 3, "differ": [], "after_other": [2]} and mode["logits_repeatable"] is True
+    # five taps a layer (qkv, attention, moe input, router logits, moe output), every prompt pass the same
+    taps = mode["taps"]
+    assert taps["labels"] >= 10 and taps["labels"] % 5 == 0, taps
+    assert taps["compared"] >= 4 and taps["first_differing"] == {}, taps
+    assert all(p["first_tap"] is None for p in taps["passes"])
+
+
+def test_taps_summary_finds_the_first_differing_tap():
+    """A GPTOSS_MAX_TAP worker log: four taps per step; three passes of a 100-element prompt step
+    (the third differs from tap 2 on), another prompt of that size, and one-token steps."""
+    labels = "".join(
+        f"gptoss_tap_label {t} {lab}\n" for t, lab in enumerate(["l0 qkv", "l0 attn", "moe in", "moe out"])
+    )
+
+    def step(n, hashes):
+        return "".join(f"gptoss_tap {t} {n} {h}\n" for t, h in enumerate(hashes))
+
+    log = (labels + "some warning\n" + step(100, [1, 2, 3, 4]) + step(10, [5, 6, 7, 8]) + step(100, [1, 2, 3, 4])
+           + step(100, [9, 9, 9, 9]) + step(10, [5, 6, 7, 8]) + step(100, [1, 2, 30, 40]))  # fmt: skip
+    got = repeat.taps_summary(log)
+    assert got["steps"] == 6 and got["labels"] == 4 and got["compared"] == 3
+    assert got["first_taps_by_size"] == {"10": 1, "100": 2}
+    assert got["passes"] == [
+        {"pass": 1, "first_tap": None, "label": None},
+        {"pass": 2, "first_tap": 2, "label": "moe in"},
+    ]
+    assert got["first_differing"] == {"moe in": 1}
+    assert repeat.taps_summary("no taps here")["steps"] == 0

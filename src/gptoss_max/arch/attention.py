@@ -81,6 +81,7 @@ class SinkAttention(maxapi.GptOssAttention):
         offsets = kwargs["input_row_offsets"]
         if qkv is None:
             qkv = dense.project(self.qkv_proj, x)  # [T, (nh + 2 kvh) * d]
+        qkv = kernel_ops.tap(qkv, f"layer {self.layer_idx} qkv")  # x itself unless GPTOSS_MAX_TAP=on
         freqs_cis = ops.cast(self.rope.freqs_cis, qkv.dtype).to(qkv.device)
         head_dim = self.kv_params.head_dim
         sliding = self.layer_type == "sliding_attention"
@@ -135,6 +136,7 @@ class SinkAttention(maxapi.GptOssAttention):
             attn = ops.cond(has_chunk, [out_type], theirs, ours)[0]
         else:
             attn = ours()
+        attn = kernel_ops.tap(attn, f"layer {self.layer_idx} attention")
         return dense.project(self.o_proj, ops.reshape(attn, shape=[qkv.shape[0], -1]))
 
 

@@ -92,10 +92,11 @@ class NativeMoE(Module):
 
     def _experts_of(self, x: TensorValue, logits: TensorValue) -> TensorValue:
         """x [T, H] through the experts the router's logits [T, E] pick (top-k, softmax over k)."""
+        x, logits = moe_ops.tap(x, "moe input"), moe_ops.tap(logits, "router logits")  # GPTOSS_MAX_TAP
         if self.experts.mxfp4 and settings.topk_impl() == "experts":
-            return self.experts.routed(x, logits, self.top_k)
+            return moe_ops.tap(self.experts.routed(x, logits, self.top_k), "moe output")
         ids, weights = moe_ops.router_topk(logits, self.top_k)  # [T, K] int32, f32 softmaxed
-        return self.experts(x, ids, weights)  # [T, H]
+        return moe_ops.tap(self.experts(x, ids, weights), "moe output")  # [T, H]
 
     def after_attention(
         self, attn: TensorValue, residual: TensorValue, norm: Module

@@ -336,6 +336,31 @@ def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = 
     return y.tensor
 
 
+def tap(x: TensorValue, label: str) -> TensorValue:
+    """`x`, through `gptoss_tap` when `GPTOSS_MAX_TAP` is on at graph build (x itself otherwise):
+    every run then prints `gptoss_tap <tag> <elements> <hash of x's bits>`. Tags number the current
+    graph's taps in build order; building prints `gptoss_tap_label <tag> <label>` once for each."""
+    from gptoss_max import settings
+
+    if not settings.tap_enabled():
+        return x
+    if x.dtype not in ACTIVATION_DTYPES or x.rank < 2:
+        raise TypeError(f"tap takes a float32 or bfloat16 tensor of rank >= 2, got {x.dtype} rank {x.rank}")
+    _load_kernels()
+    graph = Graph.current
+    tag = getattr(graph, "_gptoss_taps", 0)
+    graph._gptoss_taps = tag + 1  # type: ignore[attr-defined]
+    print(f"gptoss_tap_label {tag} {label}", flush=True)
+    flat = x if x.rank == 2 else ops.reshape(x, [x.shape[0], -1])
+    out = ops.custom(
+        "gptoss_tap",
+        x.device,
+        [flat, ops.constant(tag, DType.int32, device=DeviceRef.CPU())],
+        [TensorType(x.dtype, flat.shape, x.device)],
+    )[0].tensor
+    return out if x.rank == 2 else ops.reshape(out, x.shape)
+
+
 def mxfp4_decode(
     blocks: TensorValue,  # [..., n/2] u8
     scales: TensorValue,  # [..., n/32] u8
