@@ -117,8 +117,8 @@ def tap_enabled() -> bool:
     """`GPTOSS_MAX_TAP`: `auto` (= `off`), `off` or `on`; a check: `on` puts `gptoss_tap` (an
     identity op that prints a hash of its input's bits at each run, kernels/tap.mojo) on each
     layer's qkv, attention output, MoE input, router logits and MoE output, so two runs of a step
-    can be compared layer by layer (scripts/gpu_repeat.py --taps). Read in the process that builds
-    the graph."""
+    can be compared layer by layer (scripts/gpu_repeat.py, a variant with `GPTOSS_MAX_TAP=on`).
+    Read in the process that builds the graph."""
     return _choice("GPTOSS_MAX_TAP", "off", "off", "on") == "on"
 
 

@@ -285,8 +285,8 @@ struct AttentionWithSinks:
     ) raises:
         if kv_blocks.dim_size[5]() != head_dim or q.dim_size[2]() != head_dim:
             raise Error("gptoss_attention_with_sinks: head_dim mismatch")
-        poison[target](ctx, output.unsafe_ptr(), output.dim_size[0]() * output.dim_size[1]() * output.dim_size[2]())
-        poison[target](ctx, scratch.unsafe_ptr(), scratch.dim_size[0]() * scratch.dim_size[1]() * scratch.dim_size[2]())
+        poison[target](ctx, output.unsafe_ptr(), output.size())
+        poison[target](ctx, scratch.unsafe_ptr(), scratch.size())
         attend[target, output.dtype, sinks.dtype, head_dim](
             ctx, output.unsafe_ptr(), scratch.unsafe_ptr(), scratch.dim_size[0](), q.unsafe_ptr(),
             row_offsets.unsafe_ptr(), kv_blocks.unsafe_ptr(), cache_lengths.unsafe_ptr(), lookup_table.unsafe_ptr(),
@@ -363,9 +363,9 @@ struct AttentionRopeSinks:
         var table = lookup_table.unsafe_ptr()
         var kvp = kv_blocks.unsafe_ptr()
         var qkvp = qkv.unsafe_ptr()
-        poison[target](ctx, output.unsafe_ptr(), output.dim_size[0]() * output.dim_size[1]() * output.dim_size[2]())
-        poison[target](ctx, scratch.unsafe_ptr(), scratch.dim_size[0]() * scratch.dim_size[1]() * scratch.dim_size[2]())
-        poison[target](ctx, xq.unsafe_ptr(), xq.dim_size[0]() * xq.dim_size[1]() * xq.dim_size[2]())
+        poison[target](ctx, output.unsafe_ptr(), output.size())
+        poison[target](ctx, scratch.unsafe_ptr(), scratch.size())
+        poison[target](ctx, xq.unsafe_ptr(), xq.size())
         comptime if target == "gpu" and dtype == DType.bfloat16:
             if (
                 tc_eligible[dtype, head_dim](n_heads // geo.n_kv_heads)

@@ -63,8 +63,8 @@ struct MoeDownMxfp4:
             raise Error("gptoss_moe_down_mxfp4: counters must be ceil(H / 8) long")
         if hidden % TILE_ROWS != 0 or inter % (2 * MXFP4_BLOCK) != 0:
             raise Error("gptoss_moe_down_mxfp4: the tiled layout needs H % 16 == 0 and I % 64 == 0")
-        poison[target](ctx, output.unsafe_ptr(), output.dim_size[0]() * output.dim_size[1]())
-        poison[target](ctx, partial.unsafe_ptr(), partial.dim_size[0]() * partial.dim_size[1]() * partial.dim_size[2]())
+        poison[target](ctx, output.unsafe_ptr(), output.size())
+        poison[target](ctx, partial.unsafe_ptr(), partial.size())
 
         comptime if target == "gpu":
             var tokens = output.dim_size[0]()

@@ -168,7 +168,7 @@ struct MoeGateUpMxfp4:
         var top_k = topk_ids.dim_size[1]()
         var n_count = counters.dim_size[0]()
         check_gate_up(n_count, rows, hidden, "gptoss_moe_gate_up_mxfp4")
-        poison[target](ctx, output.unsafe_ptr(), output.dim_size[0]() * output.dim_size[1]() * output.dim_size[2]())
+        poison[target](ctx, output.unsafe_ptr(), output.size())
         poison[target](ctx, counters.unsafe_ptr(), n_count)
 
         comptime if target == "gpu":

@@ -64,10 +64,10 @@ struct MoeRouteGateUpMxfp4:
         check_topk(n_experts, top_k, who)
         if logits.dim_size[1]() != n_experts:
             raise Error(String(who) + ": logits must have one column per expert")
-        poison[target](ctx, output.unsafe_ptr(), output.dim_size[0]() * output.dim_size[1]() * output.dim_size[2]())
+        poison[target](ctx, output.unsafe_ptr(), output.size())
         poison[target](ctx, counters.unsafe_ptr(), n_count)
-        poison[target](ctx, idp, ids.dim_size[0]() * ids.dim_size[1]())
-        poison[target](ctx, wp, weights.dim_size[0]() * weights.dim_size[1]())
+        poison[target](ctx, idp, ids.size())
+        poison[target](ctx, wp, weights.size())
 
         comptime if target == "gpu":
             var one_launch = tokens == 1

@@ -12,7 +12,7 @@
 #   big    0x7b   (bf16 / f32 ~1.3e36)
 #   nan    0xff   (a NaN in every float)
 # and must then give the same bits as without it (tests/test_poison.py, the op
-# tests' `poison` checks). Read at each launch; unset (the default) costs one
+# tests' `memory_held` checks). Read at each launch; unset (the default) costs one
 # getenv per op.
 
 from max.gpu import block_idx, grid_dim, thread_idx

@@ -311,8 +311,8 @@ struct RouterTopK:
         var n_experts = logits.dim_size[1]()
         var top_k = ids.dim_size[1]()
         check_topk(n_experts, top_k, "gptoss_router_topk")
-        poison[target](ctx, ids.unsafe_ptr(), ids.dim_size[0]() * ids.dim_size[1]())
-        poison[target](ctx, weights.unsafe_ptr(), weights.dim_size[0]() * weights.dim_size[1]())
+        poison[target](ctx, ids.unsafe_ptr(), ids.size())
+        poison[target](ctx, weights.unsafe_ptr(), weights.size())
         router_topk[target, logits.dtype](
             ids.unsafe_ptr(), weights.unsafe_ptr(), logits.unsafe_ptr(), logits.dim_size[0](), n_experts, top_k, ctx
         )

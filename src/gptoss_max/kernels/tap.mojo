@@ -6,7 +6,7 @@
 # does not depend on the order the GPU adds the terms in: equal tensors give
 # equal hashes, and a single changed bit changes the hash (almost surely).
 # Printed as `gptoss_tap <tag> <elements> <hash>` (the tag: the graph's tap
-# number in build order, scripts/gpu_repeat.py --taps reads it).
+# number in build order; scripts/gpu_repeat.py's taps_summary reads it).
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
@@ -75,7 +75,7 @@ struct Tap:
         ctx: DeviceContext,
     ) raises:
         comptime dtype = output.dtype
-        var n = x.dim_size[0]() * x.dim_size[1]()
+        var n = x.size()
         var op = output.unsafe_ptr()
         var xp = x.unsafe_ptr()
         comptime if target == "gpu":
