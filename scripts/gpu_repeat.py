@@ -188,36 +188,49 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path, env: dict[str, str]
     if rc != 0:
         return {"error": f"exit {rc}", "log_tail": log.read_text(errors="replace").strip().splitlines()[-5:]}
     run = json.loads(save.read_text())
-    if env.get("GPTOSS_MAX_TAP") == "on":
+    if env.get("GPTOSS_MAX_TAP") in ("on", "weights"):
         run["taps"] = taps_summary(log.read_text(errors="replace"))
     return {**run, **summarize(run), "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def taps_summary(log: str) -> dict[str, Any]:
     """Where runs of the same step first differ, from a `GPTOSS_MAX_TAP=on` worker's log
-    (kernels/tap.mojo): the taps print `gptoss_tap <tag> <elements> <hash>` in tag order at every
-    step, and the graph build `gptoss_tap_label <tag> <label>`. Steps are grouped by their first
+    (kernels/tap.mojo): the taps print `gptoss_tap <tag> <elements> <hash>` once each at every step,
+    and the graph build `gptoss_tap_label <tag> <label>`. Steps are grouped by their first activation
     tap (the step's size and layer 0's qkv, i.e. its tokens); in the largest group of multi-token
-    steps (the prompt's passes) each step is compared with the first, tap by tap."""
+    steps (the prompt's passes) each step is compared with the first, tap by tap in tag order.
+    With `GPTOSS_MAX_TAP=weights`, `weights` says which weight or bias taps changed between steps."""
     import re
 
     labels = {int(t): lab for t, lab in re.findall(r"^gptoss_tap_label (\d+) (.+)$", log, re.M)}
-    steps: list[list[tuple[int, int, int]]] = []
+    # A step's taps may run in any order (a graph runs independent ops as it likes): a step ends
+    # where a tag comes again. Its taps are then read in tag (build) order.
+    runs: list[dict[int, tuple[int, int]]] = []
     for t, n, h in re.findall(r"gptoss_tap (\d+) (\d+) (\d+)", log):
-        if int(t) == 0 or not steps:
-            steps.append([])
-        steps[-1].append((int(t), int(n), int(h)))
+        if not runs or int(t) in runs[-1]:
+            runs.append({})
+        runs[-1][int(t)] = (int(n), int(h))
+    steps = [[(t, *run[t]) for t in sorted(run)] for run in runs]
+    # GPTOSS_MAX_TAP=weights: the same at every step unless something writes into them
+    fixed = {t for t, lab in labels.items() if lab.startswith(("weight ", "bias "))}
+    seen: dict[int, set[int]] = {}
+    for run in runs:
+        for t in fixed & run.keys():
+            seen.setdefault(t, set()).add(run[t][1])
+    weights = {"tapped": len(fixed), "changed": sorted({labels[t] for t, hs in seen.items() if len(hs) > 1})}
+    key = min((t for t in labels if t not in fixed), default=0)  # the first activation tap
     groups: dict[tuple[int, int], list[list[tuple[int, int, int]]]] = {}
-    for step in steps:
-        if step[0][0] == 0 and step[0][1] > 0:
-            groups.setdefault(step[0][1:], []).append(step)
+    for run, step in zip(runs, steps, strict=True):
+        if key in run and run[key][0] > 0:
+            groups.setdefault(run[key], []).append(step)
     sizes = sorted({n for n, _h in groups})
     # per step size (elements at the first tap), how many different first taps: > 1 for the prompt's
     # size means its passes already differ at the first tap, or that another prompt has that size
     by_size = {str(n): sum(1 for m, _h in groups if m == n) for n in sizes}
     multi = [g for (n, _h), g in groups.items() if len(g) > 1 and (n > sizes[0] or len(sizes) == 1)]
+    extra = {"weights": weights} if fixed else {}
     if not multi:
-        return {"steps": len(steps), "labels": len(labels), "first_taps_by_size": by_size, "compared": 0}
+        return {"steps": len(steps), "labels": len(labels), "first_taps_by_size": by_size, "compared": 0, **extra}
     group = max(multi, key=len)
     first = {t: h for t, _n, h in group[0]}
     diffs = []
@@ -229,7 +242,7 @@ def taps_summary(log: str) -> dict[str, Any]:
         if d["label"] is not None:
             where[d["label"]] = where.get(d["label"], 0) + 1
     return {"steps": len(steps), "labels": len(labels), "first_taps_by_size": by_size, "compared": len(group),
-            "first_differing": where, "passes": diffs}  # fmt: skip
+            "first_differing": where, "passes": diffs, **extra}  # fmt: skip
 
 
 def describe(mode: dict[str, Any]) -> str:

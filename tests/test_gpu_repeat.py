@@ -162,3 +162,28 @@ def test_taps_summary_finds_the_first_differing_tap():
     ]
     assert got["first_differing"] == {"moe in": 1}
     assert repeat.taps_summary("no taps here")["steps"] == 0
+
+
+def test_taps_summary_reads_steps_whose_taps_ran_out_of_order_and_weights():
+    """A GPU graph may run independent taps in another order than they were built (router logits
+    before the MoE input): steps end where a tag comes again, and are compared in tag order. With
+    GPTOSS_MAX_TAP=weights, weight and bias taps are not activations: they do not group the steps,
+    and `weights.changed` names any whose hash moved between steps."""
+    names = ["weight 8x4", "bias 8", "l0 qkv", "moe in", "router logits", "weight 2x4"]
+    labels = "".join(f"gptoss_tap_label {t} {lab}\n" for t, lab in enumerate(names))
+
+    def step(n, hashes, order):  # hashes by tag, printed in `order`
+        return "".join(f"gptoss_tap {t} {n} {hashes[t]}\n" for t in order)
+
+    order = [1, 0, 2, 4, 3, 5]
+    log = (labels + step(100, [7, 8, 1, 2, 3, 9], order) + step(10, [7, 8, 5, 6, 6, 9], order)
+           + step(100, [7, 8, 1, 2, 30, 9], order) + step(100, [7, 8, 1, 2, 3, 99], order))  # fmt: skip
+    got = repeat.taps_summary(log)
+    assert got["steps"] == 4 and got["compared"] == 3
+    assert got["first_taps_by_size"] == {"10": 1, "100": 1}
+    assert got["passes"] == [
+        {"pass": 1, "first_tap": 4, "label": "router logits"},
+        {"pass": 2, "first_tap": 5, "label": "weight 2x4"},
+    ]
+    assert got["weights"] == {"tapped": 3, "changed": ["weight 2x4"]}
+    assert "weights" not in repeat.taps_summary(labels.replace("weight", "w").replace("bias", "b"))

@@ -82,3 +82,35 @@ def test_tap_is_nothing_when_off(monkeypatch) -> None:
     with pytest.raises(ValueError, match="GPTOSS_MAX_TAP must be"):
         with Graph("bad_tap", input_types=[TensorType(DType.float32, [2, 2], DeviceRef.CPU())]) as g:
             gops.tap(g.inputs[0].tensor, "x")
+
+
+def test_a_weight_tap_runs_at_every_step(monkeypatch, capfd) -> None:
+    """GPTOSS_MAX_TAP=weights (arch.dense.tapped_linear): x @ W.T + b with W and b through taps given
+    the step's x, so their hashes print at every run (a tap of a constant alone would run once, at
+    load) and a stray write into a weight would show as a changed hash."""
+    from max.driver import Buffer
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType, ops
+
+    from gptoss_max.arch import dense
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    monkeypatch.setenv("GPTOSS_MAX_TAP", "weights")
+
+    def forward(x):
+        cpu = DeviceRef.CPU()
+        return dense.tapped_linear(
+            x, ops.constant(w, DType.float32, device=cpu), ops.constant(b, DType.float32, device=cpu)
+        )
+
+    _device, model = load_op_graph("cpu", "tap_weights", forward, lambda dev: [TensorType(DType.float32, [2, 4], dev)])
+    want = sorted([(0, 12, tap_hash(w.view(np.uint32))), (1, 3, tap_hash(b.view(np.uint32)))])
+    for run in range(2):
+        x = rng.standard_normal((2, 4)).astype(np.float32)
+        capfd.readouterr()
+        (out,) = host_outputs(model, [Buffer.from_numpy(x)])
+        np.testing.assert_allclose(out, x @ w.T + b, rtol=1e-6, atol=1e-6)
+        lines = re.findall(r"gptoss_tap (\d+) (\d+) (\d+)", capfd.readouterr().out)
+        assert sorted((int(t), int(n), int(h)) for t, n, h in lines) == want, f"run {run}"

@@ -113,13 +113,26 @@ def qkv_head_impl() -> str:
     return _choice("GPTOSS_MAX_QKV_HEAD", "fused", "fused", "max")
 
 
-def tap_enabled() -> bool:
-    """`GPTOSS_MAX_TAP`: `auto` (= `off`), `off` or `on`; a check: `on` puts `gptoss_tap` (an
+def tap_mode() -> str:
+    """`GPTOSS_MAX_TAP`: `auto` (= `off`), `off`, `on` or `weights`; a check: `on` puts `gptoss_tap` (an
     identity op that prints a hash of its input's bits at each run, kernels/tap.mojo) on each
     layer's qkv, attention output, MoE input, router logits and MoE output, so two runs of a step
     can be compared layer by layer (scripts/gpu_repeat.py, a variant with `GPTOSS_MAX_TAP=on`).
-    Read in the process that builds the graph."""
-    return _choice("GPTOSS_MAX_TAP", "off", "off", "on") == "on"
+    `weights`: also the residual stream entering each MoE block, and every dense projection that
+    goes through `arch.dense.project` runs as MAX's matmul on its weight and bias passed through a
+    tap, so a weight whose bits change between steps (a stray write) shows as a changed hash. Read
+    in the process that builds the graph."""
+    return _choice("GPTOSS_MAX_TAP", "off", "off", "on", "weights")
+
+
+def tap_enabled() -> bool:
+    """`GPTOSS_MAX_TAP` is `on` or `weights` (tap_mode)."""
+    return tap_mode() != "off"
+
+
+def tap_weights() -> bool:
+    """`GPTOSS_MAX_TAP=weights` (tap_mode)."""
+    return tap_mode() == "weights"
 
 
 # The settings above that change what the model computes or how fast (data paths and keys do not).

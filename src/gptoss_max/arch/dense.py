@@ -28,6 +28,8 @@ def project(linear: Module, x: TensorValue) -> TensorValue:
     branches). Same values up to f32 summation order. Not for use inside a branch of another
     ops.cond (arch/moe.py says why)."""
     weight, bias = maxapi.linear_weight_bias(linear)
+    if settings.tap_weights() and bias is not None:
+        return tapped_linear(x, TensorValue(weight), TensorValue(bias))
     k = x.shape[1]
     impl = settings.dense_impl()
     if (
@@ -52,6 +54,16 @@ def project(linear: Module, x: TensorValue) -> TensorValue:
     out = TensorType(x.dtype, [x.shape[0], w.shape[0]], x.device)
     least = 1 if impl == "tc1" else DENSE_MIN_TOKENS
     return ops.cond(tokens_within(x, DENSE_MAX_TOKENS, least=least), [out], ours, theirs)[0]
+
+
+def tapped_linear(x: TensorValue, weight: TensorValue, bias: TensorValue) -> TensorValue:
+    """`x @ weight.T + bias` by MAX's matmul, weight and bias first through `gptoss_tap`
+    (`GPTOSS_MAX_TAP=weights`): each run prints their hashes, so a stray write into a weight
+    shows. A check, not for serving (the taps copy the weight at every step)."""
+    n = weight.shape[0]
+    w = kernel_ops.tap(weight, f"weight {n}x{weight.shape[1]}", after=x)
+    b = ops.reshape(kernel_ops.tap(ops.reshape(bias, [1, n]), f"bias {n}", after=x), [n])
+    return ops.matmul(x, ops.transpose(w, 0, 1)) + ops.cast(b, x.dtype)
 
 
 def tokens_within(x: TensorValue, most: int, least: int | None = None) -> TensorValue:

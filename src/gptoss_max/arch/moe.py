@@ -111,6 +111,10 @@ class NativeMoE(Module):
         the logits go through `arch.dense.project`. Both compute the same values
         (tests/test_router_decode_op.py)."""
 
+        if settings.tap_weights():
+            residual = moe_ops.tap(residual, "residual")
+            attn = moe_ops.tap(attn, "o_proj output")
+
         def unfused(nested: bool = True) -> list[TensorValue]:  # MAX's add, rms_norm and Linear
             h = residual + attn
             xn = norm(h)

@@ -336,10 +336,12 @@ def gemv(x: TensorValue, weight: TensorValue, bias: TensorValue, staged: bool = 
     return y.tensor
 
 
-def tap(x: TensorValue, label: str) -> TensorValue:
+def tap(x: TensorValue, label: str, after: TensorValue | None = None) -> TensorValue:
     """`x`, through `gptoss_tap` when `GPTOSS_MAX_TAP` is on at graph build (x itself otherwise):
     every run then prints `gptoss_tap <tag> <elements> <hash of x's bits>`. Tags number the current
-    graph's taps in build order; building prints `gptoss_tap_label <tag> <label>` once for each."""
+    graph's taps in build order; building prints `gptoss_tap_label <tag> <label>` once for each.
+    `after` (rank 2, not read): a tensor of the step, for taps of weights, which MAX would
+    otherwise run once at load."""
     from gptoss_max import settings
 
     if not settings.tap_enabled():
@@ -355,7 +357,7 @@ def tap(x: TensorValue, label: str) -> TensorValue:
     out = ops.custom(
         "gptoss_tap",
         x.device,
-        [flat, ops.constant(tag, DType.int32, device=DeviceRef.CPU())],
+        [flat, ops.constant(tag, DType.int32, device=DeviceRef.CPU()), flat if after is None else after],
         [TensorType(x.dtype, flat.shape, x.device)],
     )[0].tensor
     return out if x.rank == 2 else ops.reshape(out, x.shape)

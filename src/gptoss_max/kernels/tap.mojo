@@ -63,7 +63,9 @@ def tap_kernel[
 @extensibility.register("gptoss_tap")
 struct Tap:
     """Identity, output = x ([N, M], float32 | bfloat16), that prints `gptoss_tap <tag> <elements> <hash>`.
-    tag: CPU int32 scalar."""
+    tag: CPU int32 scalar. after: any rank-2 tensor, not read: a weight's tap given the step's
+    input runs at every step instead of once at load (the graph compiler hoists ops of weights
+    alone)."""
 
     @staticmethod
     def execute[
@@ -72,6 +74,7 @@ struct Tap:
         output: OutputTensor[rank=2, ...],
         x: InputTensor[dtype=output.dtype, rank=2, ...],
         tag: Int32,
+        after: InputTensor[rank=2, ...],
         ctx: DeviceContext,
     ) raises:
         comptime dtype = output.dtype
