@@ -65,6 +65,11 @@ VARIANT_SETTINGS = (
     "GPTOSS_MAX_ROUTE_ORDER",
     "GPTOSS_MAX_POISON",
     "GPTOSS_MAX_TAP",
+    # MAX's own debug switches (max.engine DebugConfig), e.g. `device-sync-mode` (every device op
+    # waits for the one before: a race goes away), `assert-level=all` (bounds checks in MAX's
+    # kernels) or `uninitialized-read-check+uninitialized-read-mode=report` (fresh allocations
+    # poisoned, loads of unwritten memory reported): in a variant `+` stands for MODULAR_DEBUG's comma
+    "MODULAR_DEBUG",
 )
 
 
@@ -79,7 +84,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
         if not eq or key not in VARIANT_SETTINGS:
             raise ValueError(f"bad setting {item!r} in variant {text!r}: SETTING=VALUE with SETTING one of "
                              f"{', '.join(VARIANT_SETTINGS)}")  # fmt: skip
-        env[key] = value
+        env[key] = value.replace("+", ",") if key == "MODULAR_DEBUG" else value
     return name, env
 
 

@@ -187,3 +187,50 @@ def test_max_linear_repeats_bitwise(max_linear_model) -> None:
         if differ:
             failures.append((tokens, n, k, differ))
     assert not failures, f"(tokens, n, k, repeats that differ): {failures}"
+
+
+# (tokens, n, k) of a prompt step's projections as the model builds them: a weight and a bias that
+# are constants of the graph (load-time data, as MAX's Linear has them), the bias added after the
+# matmul where MAX may fuse it; small ones on the CPU.
+MAX_LINEAR_BIAS_SHAPES = {"cpu": [(69, 48, 128)], "gpu": [(69, 2880, 4096), (69, 32, 2880), (69, 5120, 2880)]}
+
+
+@pytest.mark.parametrize("kind", op_devices())
+def test_max_linear_with_constant_weight_and_bias_repeats_bitwise(kind: str) -> None:
+    """MAX's matmul + bias as the model's Linear runs it. Inside the 24-layer model on an H200, layer
+    0's o_proj at 69 tokens gave other bits from the same input, weight and bias on every pass
+    (bench/results/repeat_h200_20261129b.json), where test_max_linear_repeats_bitwise (weight an
+    input, no bias) repeats: does the Linear alone repeat too?"""
+    from max.driver import Buffer
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType, ops
+
+    repeats = 8 if kind == "gpu" else 2
+    failures = []
+    for tokens, n, k in MAX_LINEAR_BIAS_SHAPES[kind]:
+        rng = np.random.default_rng(tokens + n + k)
+        w = reference.round_to_bf16(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+        b = reference.round_to_bf16(rng.standard_normal(n).astype(np.float32))
+
+        def forward(x, w=w, b=b):
+            # bf16 on a GPU, as the model there; float32 on the CPU, as the CPU model (MAX 26.7's CPU
+            # bf16 matmul against a constant weight is wrong: bench/NOTES.md)
+            dt, f32 = (DType.bfloat16 if kind == "gpu" else DType.float32), DType.float32
+            wc = ops.cast(ops.constant(w, f32, device=DeviceRef.CPU()), dt).to(x.device)  # exact: bf16 values
+            bc = ops.cast(ops.constant(b, f32, device=DeviceRef.CPU()), dt).to(x.device)
+            y = ops.matmul(ops.cast(x, dt), ops.transpose(wc, 0, 1)) + bc
+            return ops.cast(y, f32)
+
+        device, model = load_op_graph(kind, f"max_linear_bias_{n}_{k}", forward,
+                                      lambda ref, k=k: [TensorType(DType.float32, ["T", k], ref)])  # fmt: skip
+        x = [rng.standard_normal((t, k)).astype(np.float32) for t in (tokens, tokens - 1)]
+        same, other = [Buffer.from_numpy(x[0]).to(device)], [Buffer.from_numpy(x[1]).to(device)]
+        first, differ = repeats_that_differ(model, same, other, repeats)
+        xr = reference.round_to_bf16(x[0]) if kind == "gpu" else x[0]
+        want = xr.astype(np.float64) @ w.T.astype(np.float64) + b
+        err = float(np.abs(first[0] - want).max() / np.abs(want).max())
+        report("max linear bias repeats", f"{kind} T={tokens} N={n} K={k}: {differ} of {repeats} differ, err {err:.1e}")
+        assert err < (2e-2 if kind == "gpu" else 1e-5), (tokens, n, k, err)
+        if differ:
+            failures.append((tokens, n, k, differ))
+    assert not failures, f"(tokens, n, k, repeats that differ): {failures}"

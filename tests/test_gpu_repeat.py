@@ -72,6 +72,11 @@ def test_parse_variant():
         "GPTOSS_MAX_POISON": "nan",
     }
     assert repeat.parse_variant("s:GPTOSS_MAX_ROUTE_ORDER=stable")[1] == {"GPTOSS_MAX_ROUTE_ORDER": "stable"}
+    # MAX's debug switches: `+` for the comma of its list
+    assert repeat.parse_variant("d:GPTOSS_MAX_ATTENTION=ours,MODULAR_DEBUG=device-sync-mode+assert-level=all")[1] == {
+        "GPTOSS_MAX_ATTENTION": "ours",
+        "MODULAR_DEBUG": "device-sync-mode,assert-level=all",
+    }
     for bad in ["x:HOME=/", "x:GPTOSS_MAX_DENSE", ":GPTOSS_MAX_DENSE=max", "a/b"]:
         with pytest.raises(ValueError):
             repeat.parse_variant(bad)
