@@ -333,36 +333,46 @@ def _how_far(runs: list[list[np.ndarray]], step: Step) -> str:
 def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
     """What a request leaves in the cache must not reach another's attention: the same step over a
     pool whose unused slots (other pages, and the rest of its own last page) hold zeros, large
-    leftovers, or NaN (a request whose K/V went bad) gives the same outputs bit for bit. Ours, and
+    leftovers, or NaN (a request whose K/V went bad), and zeros again after every other run, gives
+    the same outputs bit for bit. Ours, and
     MAX's flash attention, which the model's prompt steps run on a GPU (a GPU greedy run was not
     repeatable, bench/results/repeat_h200_20261129.json; its sm90 source masks stale keys' scores
     but multiplies stale V rows by P = 0, so NaN there would leak)."""
-    failures = []
-    for i, (shape, cached, new) in enumerate(STALE_CASES):
-        device, model = _model(kind, shape, core=core)
-        runs, used_before = {}, []
-        for fill in ("zeros", "leftovers", "nan"):
+    # Each fill over every case before the next fill, so every NaN run comes after all finite ones,
+    # and a zero run again at the end: NaN there means the kernel read memory an earlier run left
+    # (MAX's on an H200: bench/results/op_checks_h200_20261129b.log).
+    fills = ("zeros", "leftovers", "nan", "zeros_again")
+    runs: dict[int, dict[str, list[np.ndarray]]] = {i: {} for i in range(len(STALE_CASES))}
+    used_before: dict[int, list[np.ndarray]] = {i: [] for i in range(len(STALE_CASES))}
+    for fill in fills:
+        for i, (shape, cached, new) in enumerate(STALE_CASES):
+            device, model = _model(kind, shape, core=core)
             step = Step(shape, cached, new, seed=11 + i)
             unused = _unused_slots(step)
             rnd = reference.round_to_bf16 if shape.bf16 else (lambda a: a.astype(np.float32))
-            stale = {"zeros": 0.0, "nan": np.nan}.get(fill)
+            stale = {"zeros": 0.0, "zeros_again": 0.0, "nan": np.nan}.get(fill)
             if stale is None:
                 stale = rnd(40 * np.random.default_rng(i).standard_normal(int(unused.sum())))
             step.pool[unused] = stale
             inputs = step.inputs(device)
-            used_before.append(step.read_pool(inputs[2])[~unused])
-            runs[fill] = [*host_outputs(model, inputs), step.read_pool(inputs[2])[~unused]]
-        assert all(np.array_equal(used_before[0], u) for u in used_before), "the pools start with the same sequences"
+            used_before[i].append(step.read_pool(inputs[2])[~unused])
+            runs[i][fill] = [*host_outputs(model, inputs), step.read_pool(inputs[2])[~unused]]
+    failures = []
+    for i, (shape, cached, new) in enumerate(STALE_CASES):
+        assert all(np.array_equal(used_before[i][0], u) for u in used_before[i]), (
+            "the pools start with the same sequences"
+        )
         differ = {
-            fill: [j for j, (a, b) in enumerate(zip(runs["zeros"], out, strict=True)) if not np.array_equal(a, b)]
-            for fill, out in runs.items()
+            fill: [j for j, (a, b) in enumerate(zip(runs[i]["zeros"], out, strict=True)) if not np.array_equal(a, b)]
+            for fill, out in runs[i].items()
             if fill != "zeros"
         }
         differ = {fill: js for fill, js in differ.items() if js}
+        step = Step(shape, cached, new, seed=11 + i)
         report(
             "attention stale slots",
             f"{kind} {core} {shape.name} cached {cached} new {new}: outputs that differ {differ}"
-            + "".join(f"; {fill}: {_how_far([runs['zeros'], runs[fill]], step)}" for fill in differ),
+            + "".join(f"; {fill}: {_how_far([runs[i]['zeros'], runs[i][fill]], step)}" for fill in differ),
         )
         if differ:
             failures.append((shape.name, cached, new, differ))
