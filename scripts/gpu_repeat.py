@@ -206,48 +206,41 @@ def taps_summary(log: str) -> dict[str, Any]:
     steps (the prompt's passes) each step is compared with the first, tap by tap in tag order.
     With `GPTOSS_MAX_TAP=weights`, `weights` says which weight or bias taps changed between steps."""
     import re
+    from collections import Counter
 
     labels = {int(t): lab for t, lab in re.findall(r"^gptoss_tap_label (\d+) (.+)$", log, re.M)}
     # A step's taps may run in any order (a graph runs independent ops as it likes): a step ends
-    # where a tag comes again. Its taps are then read in tag (build) order.
-    runs: list[dict[int, tuple[int, int]]] = []
+    # where a tag comes again. Steps are compared in tag (build) order.
+    runs: list[dict[int, tuple[int, int]]] = []  # per step: tag -> (elements, hash)
     for t, n, h in re.findall(r"gptoss_tap (\d+) (\d+) (\d+)", log):
         if not runs or int(t) in runs[-1]:
             runs.append({})
         runs[-1][int(t)] = (int(n), int(h))
-    steps = [[(t, *run[t]) for t in sorted(run)] for run in runs]
     # GPTOSS_MAX_TAP=weights: the same at every step unless something writes into them
     fixed = {t for t, lab in labels.items() if lab.startswith(("weight ", "bias "))}
-    seen: dict[int, set[int]] = {}
-    for run in runs:
-        for t in fixed & run.keys():
-            seen.setdefault(t, set()).add(run[t][1])
-    weights = {"tapped": len(fixed), "changed": sorted({labels[t] for t, hs in seen.items() if len(hs) > 1})}
+    changed = {labels[t] for t in fixed if len({run[t][1] for run in runs if t in run}) > 1}  # by hash
+    extra = {"weights": {"tapped": len(fixed), "changed": sorted(changed)}} if fixed else {}
     key = min((t for t in labels if t not in fixed), default=0)  # the first activation tap
-    groups: dict[tuple[int, int], list[list[tuple[int, int, int]]]] = {}
-    for run, step in zip(runs, steps, strict=True):
+    groups: dict[tuple[int, int], list[dict[int, tuple[int, int]]]] = {}
+    for run in runs:
         if key in run and run[key][0] > 0:
-            groups.setdefault(run[key], []).append(step)
+            groups.setdefault(run[key], []).append(run)
     sizes = sorted({n for n, _h in groups})
     # per step size (elements at the first tap), how many different first taps: > 1 for the prompt's
     # size means its passes already differ at the first tap, or that another prompt has that size
     by_size = {str(n): sum(1 for m, _h in groups if m == n) for n in sizes}
     multi = [g for (n, _h), g in groups.items() if len(g) > 1 and (n > sizes[0] or len(sizes) == 1)]
-    extra = {"weights": weights} if fixed else {}
     if not multi:
-        return {"steps": len(steps), "labels": len(labels), "first_taps_by_size": by_size, "compared": 0, **extra}
+        return {"steps": len(runs), "labels": len(labels), "first_taps_by_size": by_size, "compared": 0, **extra}
     group = max(multi, key=len)
-    first = {t: h for t, _n, h in group[0]}
+    first = group[0]
     diffs = []
-    for j, step in enumerate(group[1:], 1):
-        tag = next((t for t, _n, h in step if first.get(t) != h), None)
+    for j, run in enumerate(group[1:], 1):
+        tag = next((t for t in sorted(run) if first.get(t, (0, None))[1] != run[t][1]), None)  # by hash, in tag order
         diffs.append({"pass": j, "first_tap": tag, "label": labels.get(tag) if tag is not None else None})
-    where: dict[str, int] = {}
-    for d in diffs:
-        if d["label"] is not None:
-            where[d["label"]] = where.get(d["label"], 0) + 1
-    return {"steps": len(steps), "labels": len(labels), "first_taps_by_size": by_size, "compared": len(group),
-            "first_differing": where, "passes": diffs, **extra}  # fmt: skip
+    where = Counter(d["label"] for d in diffs if d["label"] is not None)
+    return {"steps": len(runs), "labels": len(labels), "first_taps_by_size": by_size, "compared": len(group),
+            "first_differing": dict(where), "passes": diffs, **extra}  # fmt: skip
 
 
 def describe(mode: dict[str, Any]) -> str:
