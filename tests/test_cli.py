@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def run_cli(*args: str, timeout: int = 1200) -> str:
+def run_cli_proc(*args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "gptoss_max.cli", *args],
         capture_output=True,
@@ -20,7 +20,11 @@ def run_cli(*args: str, timeout: int = 1200) -> str:
         env=dict(os.environ),  # MAX's native library setenv()s PYTHONEXECUTABLE; os.environ does not carry it
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return proc
+
+
+def run_cli(*args: str, timeout: int = 1200) -> str:
+    return run_cli_proc(*args, timeout=timeout).stdout
 
 
 def test_make_tiny_then_generate(tmp_path):
@@ -32,6 +36,17 @@ def test_make_tiny_then_generate(tmp_path):
     assert "tokens; time to first token" in last and "tok/s" in last
     n_tokens = int(last.split()[0])
     assert 1 <= n_tokens <= 8
+    # --deterministic: the model is built with MAX's device_sync_mode (logged), same tokens (the CPU
+    # graph is the same one: a CPU graph always runs our attention)
+    det = run_cli_proc("-v", "generate", "--model", str(tmp_path / "t"), "--prompt", "hi", "--max-new-tokens", "8",
+                       "--deterministic")  # fmt: skip
+    assert "GPTOSS_MAX_DETERMINISTIC=on: MAX's device_sync_mode" in det.stderr
+
+    def channels(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("[")]
+
+    assert channels(det.stdout) == channels(out) and channels(out)
+    assert det.stdout.strip().splitlines()[-1].split()[0] == str(n_tokens)
 
 
 def test_help_lists_commands():

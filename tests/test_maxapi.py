@@ -234,3 +234,16 @@ def test_linear_weight_bias_of_linear_and_stacked_linear() -> None:
         w, b = maxapi.linear_weight_bias(qkv)
         assert [int(d) for d in TensorValue(w).shape] == [16, 32]
         assert [int(d) for d in TensorValue(b).shape] == [16]
+
+
+def test_enable_device_sync_sets_max_debug_flag():
+    """`--deterministic` relies on MAX's process-wide DebugConfig.device_sync_mode."""
+    from max.engine import InferenceSession
+
+    before = InferenceSession.debug.device_sync_mode
+    try:
+        InferenceSession.debug.device_sync_mode = False
+        maxapi.enable_device_sync()
+        assert InferenceSession.debug.device_sync_mode is True
+    finally:
+        InferenceSession.debug.device_sync_mode = before

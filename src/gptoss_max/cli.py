@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default="medium")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    add_deterministic_argument(p)
     p.set_defaults(func=cmd_generate)
 
     from gptoss_max.e2e import add_arguments
@@ -162,8 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_deterministic_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--deterministic", action="store_true",
+                   help="GPU: bit-repeatable runs, so temperature 0 repeats its tokens (sets "
+                        "GPTOSS_MAX_DETERMINISTIC=on: MAX's device_sync_mode and our attention for every "
+                        "step; slower, no graph capture; docs/GPU.md)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "deterministic", False):
+        if getattr(args, "graph_capture", False):
+            parser.error("--deterministic waits for every device op, which a captured device graph cannot: "
+                         "drop --graph-capture or --deterministic")  # fmt: skip
+        os.environ["GPTOSS_MAX_DETERMINISTIC"] = "on"  # read where the model is built (the server's worker too)
+        try:
+            settings.attention_impl()  # refuses an explicit GPTOSS_MAX_ATTENTION that MAX would serve
+        except ValueError as exc:
+            parser.error(str(exc))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     return int(args.func(args) or 0)
 

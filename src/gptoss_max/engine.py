@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gptoss_max import maxapi
+from gptoss_max import maxapi, settings
 from gptoss_max.harmony.render import STOP_TOKEN_IDS
 
 ARCH_MODULE = "gptoss_max.arch"
@@ -52,6 +52,11 @@ def pipeline_args(opts: EngineOptions) -> Any:
     from gptoss_max.synthetic import resolve
 
     gpu = opts.on_gpu
+    if opts.graph_capture and settings.deterministic():
+        raise ValueError(
+            "GPTOSS_MAX_DETERMINISTIC=on (--deterministic) waits for every device op, which a captured "
+            "device graph cannot; drop one of the two"
+        )
     if opts.graph_capture and not gpu:
         raise ValueError("device graph capture needs a GPU (MAX's overlap pipeline refuses CPU models)")
     fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)

@@ -56,6 +56,16 @@ MEMORY_MANAGER_SIZE_ENV = "MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT"
 MEMORY_MANAGER_DEFAULT_SHARE = 0.9
 
 
+def enable_device_sync() -> None:
+    """MAX's `device_sync_mode` for this process (`InferenceSession.debug`, a process-wide
+    singleton, read at run time): every device op waits for the one before it, so no two run at
+    once. What `GPTOSS_MAX_DETERMINISTIC=on` (settings.deterministic) relies on; the same as
+    `MODULAR_DEBUG=device-sync-mode`, which MAX parses once, at import."""
+    from max.engine import InferenceSession
+
+    InferenceSession.debug.device_sync_mode = True
+
+
 def memory_manager_share() -> float:
     """The share of a GPU's free memory MAX's planner sees (the env override, else the default)."""
     raw = os.environ.get(MEMORY_MANAGER_SIZE_ENV, "").strip()

@@ -35,6 +35,24 @@ def _choice(name: str, auto: str, *choices: str) -> str:
     return auto if value == "auto" else value
 
 
+def deterministic() -> bool:
+    """`GPTOSS_MAX_DETERMINISTIC`: `auto` (= `off`), `off` or `on`. `on` is for bit-repeatable GPU
+    runs (`temperature: 0` giving the same tokens every time), at a speed cost not yet measured:
+    MAX's `device_sync_mode` (every device op waits for the one before it; set where the model
+    is built, `maxapi.enable_device_sync`) and our attention for every step. Graph capture is
+    refused with it. Read in the process that builds the model (`serve --deterministic` sets it
+    for the worker).
+
+    Why (H200, bench/NOTES.md "Greedy repeatability, fifth session"): without it, prompt passes
+    of synthetic 20b give other logits from the same tokens. With `device_sync_mode` and our
+    attention (capture off) 6 of 6 passes, two teacher-forced passes and three greedy runs were
+    bitwise equal; so something races between device ops (not our kernels' PDL trigger:
+    removing it changed nothing). MAX's flash attention, which `hybrid` gives prompt steps, also
+    reads KV slots and memory that the run did not write, so it is not used.
+    """
+    return _choice("GPTOSS_MAX_DETERMINISTIC", "off", "off", "on") == "on"
+
+
 def attention_impl() -> str:
     """`GPTOSS_MAX_ATTENTION`: `auto` (= `hybrid`), `hybrid`, `ours` or `max`; what a GPU graph's
     attention core is (a CPU graph always uses ours: MAX's over-counts sinks past 128 keys and
@@ -44,8 +62,17 @@ def attention_impl() -> str:
     step; MAX 26.7's GPU decode path disagrees with the reference (docs/GPU.md). `hybrid`: MAX's
     for steps that hold a prompt chunk (its prefill path agrees with the reference and uses tensor
     cores), ours for pure decode steps; chosen in the graph from the step's max prompt length.
+    `auto` is `ours` under `GPTOSS_MAX_DETERMINISTIC=on`, which refuses `hybrid` and `max`.
     """
-    return _choice("GPTOSS_MAX_ATTENTION", "hybrid", "hybrid", "ours", "max")
+    impl = _choice("GPTOSS_MAX_ATTENTION", "auto", "hybrid", "ours", "max")
+    if deterministic():
+        if impl not in ("auto", "ours"):
+            raise ValueError(
+                f"GPTOSS_MAX_DETERMINISTIC=on runs our attention for every step; GPTOSS_MAX_ATTENTION={impl} "
+                "would give prompt steps to MAX's flash attention, which reads memory the run did not write"
+            )
+        return "ours"
+    return "hybrid" if impl == "auto" else impl
 
 
 def moe_path() -> int:
@@ -139,6 +166,7 @@ def tap_weights() -> bool:
 RUN_SETTINGS = (
     "GPTOSS_MAX_ATTENTION",
     "GPTOSS_MAX_DENSE",
+    "GPTOSS_MAX_DETERMINISTIC",
     "GPTOSS_MAX_MOE_PATH",
     "GPTOSS_MAX_QKV_HEAD",
     "GPTOSS_MAX_ROPE",

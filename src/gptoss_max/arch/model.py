@@ -123,6 +123,9 @@ class NativeGptOssModel(maxapi.GptOssModel):
         return config
 
     def graph_specs(self, model_config: NativeGptOssConfig) -> dict[str, maxapi.GraphSpec]:
+        if settings.deterministic():
+            maxapi.enable_device_sync()
+            _log.info("GPTOSS_MAX_DETERMINISTIC=on: MAX's device_sync_mode, our attention for every step")
         nn_model = NativeGptOss(model_config)
         nn_model.load_state_dict(self._language_weights_dict, weight_alignment=1, strict=True)
         self._language_weights_dict = {}

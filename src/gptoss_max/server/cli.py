@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gptoss_max.cli import MODEL_HELP
+from gptoss_max.cli import MODEL_HELP, add_deterministic_argument
 
 logger = logging.getLogger("gptoss_max.server")
 
@@ -27,9 +27,7 @@ DEFAULT_GRACE_S = 25.0  # shutdown.DEFAULT_GRACE_S
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "serve", help="serve the Responses API and Harmony chat completions on MAX"
-    )
+    p = subparsers.add_parser("serve", help="serve the Responses API and Harmony chat completions on MAX")
     p.add_argument("--model", default="auto", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -53,6 +51,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="GPU only: replay decode steps as captured device graphs (MAX's overlap pipeline; "
                         "captures every batch size at start-up, ~30 s; measured by `gptoss-max bench`: "
                         "20b batch 1 254 -> 335 tok/s on an H100)")  # fmt: skip
+    add_deterministic_argument(p)
     p.add_argument("--constrained-reasoning-tokens", type=_non_negative, default=None, metavar="N",
                    help="under a response format or tool choice, cap each reasoning message at N tokens")  # fmt: skip
     p.set_defaults(func=serve_main)
