@@ -64,6 +64,7 @@ VARIANT_SETTINGS = (
     "GPTOSS_MAX_ATTN_ONE_WARPS",
     "GPTOSS_MAX_ROUTE_ORDER",
     "GPTOSS_MAX_POISON",
+    "GPTOSS_MAX_SCRUB",
     "GPTOSS_MAX_TAP",
     # MAX's own debug switches (max.engine DebugConfig), e.g. `device-sync-mode` (every device op
     # waits for the one before: a race goes away), `assert-level=all` (bounds checks in MAX's

@@ -72,6 +72,11 @@ def test_parse_variant():
         "GPTOSS_MAX_POISON": "nan",
     }
     assert repeat.parse_variant("s:GPTOSS_MAX_ROUTE_ORDER=stable")[1] == {"GPTOSS_MAX_ROUTE_ORDER": "stable"}
+    assert repeat.parse_variant("scrub:GPTOSS_MAX_ATTENTION=ours,GPTOSS_MAX_SCRUB=zero")[1] == {
+        "GPTOSS_MAX_ATTENTION": "ours",
+        "GPTOSS_MAX_SCRUB": "zero",
+    }
+    assert repeat.parse_variant("det:GPTOSS_MAX_DETERMINISTIC=on")[1] == {"GPTOSS_MAX_DETERMINISTIC": "on"}
     # MAX's debug switches: `+` for the comma of its list
     assert repeat.parse_variant("d:GPTOSS_MAX_ATTENTION=ours,MODULAR_DEBUG=device-sync-mode+assert-level=all")[1] == {
         "GPTOSS_MAX_ATTENTION": "ours",

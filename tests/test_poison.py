@@ -1,6 +1,9 @@
 """GPTOSS_MAX_POISON (kernels/poison.mojo): our ops fill their outputs with the named byte before
 they run. Here on the CPU, where the MXFP4 down op leaves its `partial` scratch output unused: that
-output must come back holding exactly the fill, and the op's result must not change."""
+output must come back holding exactly the fill, and the op's result must not change.
+
+GPTOSS_MAX_SCRUB: the MXFP4 down op fills what it leaves behind (h, partial, the counters) after it
+ran. The graph here also returns h, which a model never reads after the down op, to see it."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ T, K, E, H, INTER = 3, 2, 4, 64, 64
 
 @pytest.fixture(scope="module")
 def down_with_scratch():
-    """(device, model): x, ids, weights -> the MXFP4 pair's output and the down op's partial [T, K, H]."""
+    """(device, model): x, ids, weights -> the MXFP4 pair's output, the down op's partial [T, K, H]
+    and h [T, K, I] (the gate_up op's output, which the down op reads last)."""
     from max.dtype import DType
     from max.graph import DeviceRef, TensorType, ops
 
@@ -39,7 +43,7 @@ def down_with_scratch():
             [h, ids, wts, db, ds, dbias, counters, path],
             [TensorType(DType.float32, [T, H], x.device), TensorType(DType.float32, [T, K, H], x.device)],
         )
-        return out, partial
+        return out, partial, h
 
     def types(dev):
         u8, f32 = DType.uint8, DType.float32
@@ -80,11 +84,12 @@ def test_poison_fills_outputs_and_results_ignore_it(down_with_scratch, monkeypat
     _device, model = down_with_scratch
     inputs = _inputs()
     monkeypatch.delenv("GPTOSS_MAX_POISON", raising=False)
-    out, _partial = host_outputs(model, inputs)
+    monkeypatch.delenv("GPTOSS_MAX_SCRUB", raising=False)
+    out, _partial, _h = host_outputs(model, inputs)
     assert np.isfinite(out).all()
     for fill in POISONS:
         monkeypatch.setenv("GPTOSS_MAX_POISON", fill)
-        got, partial = host_outputs(model, inputs)
+        got, partial, _h = host_outputs(model, inputs)
         assert np.array_equal(got, out), fill
         assert (partial.view(np.uint8) == FILL_BYTES[fill]).all(), f"{fill}: the unused scratch holds the fill"
 
@@ -93,4 +98,27 @@ def test_poison_refuses_an_unknown_fill(down_with_scratch, monkeypatch) -> None:
     _device, model = down_with_scratch
     monkeypatch.setenv("GPTOSS_MAX_POISON", "0x7b")
     with pytest.raises(Exception, match="GPTOSS_MAX_POISON must be zero, small, big or nan"):
+        host_outputs(model, _inputs())
+
+
+def test_scrub_fills_what_the_down_op_leaves_after_it_ran(down_with_scratch, monkeypatch) -> None:
+    _device, model = down_with_scratch
+    inputs = _inputs()
+    monkeypatch.delenv("GPTOSS_MAX_POISON", raising=False)
+    monkeypatch.delenv("GPTOSS_MAX_SCRUB", raising=False)
+    out, _partial, h = host_outputs(model, inputs)
+    assert np.isfinite(h).all() and np.abs(h).max() > 0, "without it h holds gate_up's values"
+    for fill in POISONS:
+        monkeypatch.setenv("GPTOSS_MAX_SCRUB", fill)
+        got, partial, h = host_outputs(model, inputs)
+        assert np.array_equal(got, out), f"{fill}: the scrub runs after the op's own work"
+        assert (partial.view(np.uint8) == FILL_BYTES[fill]).all(), fill
+        assert (h.view(np.uint8) == FILL_BYTES[fill]).all(), f"{fill}: h is scrubbed after its last reader"
+
+
+def test_scrub_refuses_an_unknown_fill(down_with_scratch, monkeypatch) -> None:
+    _device, model = down_with_scratch
+    monkeypatch.delenv("GPTOSS_MAX_POISON", raising=False)
+    monkeypatch.setenv("GPTOSS_MAX_SCRUB", "ones")
+    with pytest.raises(Exception, match="GPTOSS_MAX_SCRUB must be zero, small, big or nan"):
         host_outputs(model, _inputs())

@@ -7,7 +7,7 @@ from std.utils.coord import Coord
 from .moe_gpu import CHUNK_TOKENS, launch_down, n_counters
 from .moe_prefill_gpu import launch_prefill_down, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
-from .poison import poison
+from .poison import poison, scrub
 
 
 @extensibility.register("gptoss_moe_down_mxfp4")
@@ -75,6 +75,7 @@ struct MoeDownMxfp4:
                         ctx, cfg, output.unsafe_ptr(), partial.unsafe_ptr(), hp, ids, wp, bp, sp, biasp,
                         tokens, top_k, n_experts, hidden, inter,
                     )
+                    _scrub_leftovers[target](ctx, h, partial, counters)
                     return
             var t0 = 0
             # The counters are written here although they arrive as an input:
@@ -100,6 +101,7 @@ struct MoeDownMxfp4:
                     inter,
                 )
                 t0 += tc
+            _scrub_leftovers[target](ctx, h, partial, counters)
             return
 
         def out_elem[
@@ -138,3 +140,21 @@ struct MoeDownMxfp4:
             return acc.cast[output.dtype]()
 
         foreach[target=target, simd_width=1](out_elem, output, ctx)
+        _scrub_leftovers[target](ctx, h, partial, counters)
+
+
+def _scrub_leftovers[
+    target: StaticString
+](
+    ctx: DeviceContext,
+    h: InputTensor[dtype=DType.float32, rank=3, ...],
+    partial: OutputTensor[dtype=DType.float32, rank=3, ...],
+    counters: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """GPTOSS_MAX_SCRUB (poison.mojo): h (whose GPU prefill path holds the
+    routed rows and the route's tables in arrival order), the partial scratch
+    and the counters are this op pair's leftovers; in a model nothing reads
+    them after this op (h and the counters come only from the gate_up op)."""
+    scrub[target](ctx, h.unsafe_ptr().unsafe_mut_cast[True](), h.size())
+    scrub[target](ctx, partial.unsafe_ptr(), partial.size())
+    scrub[target](ctx, counters.unsafe_ptr().unsafe_mut_cast[True](), counters.size())

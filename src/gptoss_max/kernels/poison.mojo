@@ -23,9 +23,9 @@ from std.sys import size_of
 comptime POISON_THREADS = 256
 
 
-def poison_byte() -> Int:
-    """The fill byte GPTOSS_MAX_POISON names, -1 when unset (or empty)."""
-    var v = getenv("GPTOSS_MAX_POISON", "")
+def _fill_byte(name: String) -> Int:
+    """The fill byte the variable `name` names, -1 when unset (or empty), -2 when unknown."""
+    var v = getenv(name, "")
     if v == "":
         return -1
     if v == "zero":
@@ -37,6 +37,11 @@ def poison_byte() -> Int:
     if v == "nan":
         return 0xFF
     return -2
+
+
+def poison_byte() -> Int:
+    """The fill byte GPTOSS_MAX_POISON names, -1 when unset (or empty)."""
+    return _fill_byte("GPTOSS_MAX_POISON")
 
 
 def poison_kernel(p: Pointer[UInt8, MutAnyOrigin], n_: Int64, value: UInt8):
@@ -53,11 +58,30 @@ def poison[
 ](ctx: DeviceContext, p: Pointer[Scalar[dtype], MutAnyOrigin], count: Int) raises:
     """Fill `count` elements at p with GPTOSS_MAX_POISON's byte, if it is set;
     on the GPU as a launch before the op's own (same stream)."""
-    var b = poison_byte()
+    _fill[target](ctx, p, count, "GPTOSS_MAX_POISON")
+
+
+def scrub[
+    dtype: DType, //, target: StaticString
+](ctx: DeviceContext, p: Pointer[Scalar[dtype], MutAnyOrigin], count: Int) raises:
+    """GPTOSS_MAX_SCRUB, the other side of GPTOSS_MAX_POISON: after an op's own
+    launches, fill `count` elements at p, memory the op leaves behind that no
+    later op reads as such (its scratch, an input it was the last reader of),
+    with the named byte. MAX hands that memory to later tensors, so what an op
+    leaves there reaches any later kernel that reads memory it did not write;
+    the MXFP4 prefill MoE leaves rows and ids in an order set by its atomics.
+    If a model repeats with it and not without, such a read is the cause."""
+    _fill[target](ctx, p, count, "GPTOSS_MAX_SCRUB")
+
+
+def _fill[
+    dtype: DType, //, target: StaticString
+](ctx: DeviceContext, p: Pointer[Scalar[dtype], MutAnyOrigin], count: Int, name: String) raises:
+    var b = _fill_byte(name)
     if b == -1 or count <= 0:
         return
     if b == -2:
-        raise Error("GPTOSS_MAX_POISON must be zero, small, big or nan")
+        raise Error(name + " must be zero, small, big or nan")
     var n = count * size_of[dtype]()
     var bytes = p.unsafe_bitcast[UInt8]()
     comptime if target == "gpu":
