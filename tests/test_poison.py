@@ -80,45 +80,33 @@ def _inputs():
     return [Buffer.from_numpy(a) for a in arrays]
 
 
-def test_poison_fills_outputs_and_results_ignore_it(down_with_scratch, monkeypatch) -> None:
+@pytest.mark.parametrize("variable", ["GPTOSS_MAX_POISON", "GPTOSS_MAX_SCRUB"])
+def test_fills_and_results_ignore_them(down_with_scratch, monkeypatch, variable) -> None:
+    """POISON fills the outputs before the op ran (the unused scratch keeps the fill); SCRUB fills
+    the scratch and h after it (h is given back to see it)."""
     _device, model = down_with_scratch
     inputs = _inputs()
     monkeypatch.delenv("GPTOSS_MAX_POISON", raising=False)
     monkeypatch.delenv("GPTOSS_MAX_SCRUB", raising=False)
-    out, _partial, _h = host_outputs(model, inputs)
+    out, _partial, h_plain = host_outputs(model, inputs)
     assert np.isfinite(out).all()
+    assert np.isfinite(h_plain).all() and np.abs(h_plain).max() > 0, "without a fill h holds gate_up's values"
     for fill in POISONS:
-        monkeypatch.setenv("GPTOSS_MAX_POISON", fill)
-        got, partial, _h = host_outputs(model, inputs)
-        assert np.array_equal(got, out), fill
-        assert (partial.view(np.uint8) == FILL_BYTES[fill]).all(), f"{fill}: the unused scratch holds the fill"
+        monkeypatch.setenv(variable, fill)
+        got, partial, h = host_outputs(model, inputs)
+        assert np.array_equal(got, out), f"{variable}={fill} changed the op's result"
+        assert (partial.view(np.uint8) == FILL_BYTES[fill]).all(), f"{variable}={fill}: the scratch holds the fill"
+        if variable == "GPTOSS_MAX_SCRUB":
+            assert (h.view(np.uint8) == FILL_BYTES[fill]).all(), f"{fill}: h is scrubbed after its last reader"
+        else:
+            assert np.array_equal(h, h_plain), f"{fill}: poison fills an op's outputs only before it writes them"
 
 
-def test_poison_refuses_an_unknown_fill(down_with_scratch, monkeypatch) -> None:
+@pytest.mark.parametrize(("variable", "value"), [("GPTOSS_MAX_POISON", "0x7b"), ("GPTOSS_MAX_SCRUB", "ones")])
+def test_an_unknown_fill_is_refused(down_with_scratch, monkeypatch, variable, value) -> None:
     _device, model = down_with_scratch
-    monkeypatch.setenv("GPTOSS_MAX_POISON", "0x7b")
-    with pytest.raises(Exception, match="GPTOSS_MAX_POISON must be zero, small, big or nan"):
-        host_outputs(model, _inputs())
-
-
-def test_scrub_fills_what_the_down_op_leaves_after_it_ran(down_with_scratch, monkeypatch) -> None:
-    _device, model = down_with_scratch
-    inputs = _inputs()
     monkeypatch.delenv("GPTOSS_MAX_POISON", raising=False)
     monkeypatch.delenv("GPTOSS_MAX_SCRUB", raising=False)
-    out, _partial, h = host_outputs(model, inputs)
-    assert np.isfinite(h).all() and np.abs(h).max() > 0, "without it h holds gate_up's values"
-    for fill in POISONS:
-        monkeypatch.setenv("GPTOSS_MAX_SCRUB", fill)
-        got, partial, h = host_outputs(model, inputs)
-        assert np.array_equal(got, out), f"{fill}: the scrub runs after the op's own work"
-        assert (partial.view(np.uint8) == FILL_BYTES[fill]).all(), fill
-        assert (h.view(np.uint8) == FILL_BYTES[fill]).all(), f"{fill}: h is scrubbed after its last reader"
-
-
-def test_scrub_refuses_an_unknown_fill(down_with_scratch, monkeypatch) -> None:
-    _device, model = down_with_scratch
-    monkeypatch.delenv("GPTOSS_MAX_POISON", raising=False)
-    monkeypatch.setenv("GPTOSS_MAX_SCRUB", "ones")
-    with pytest.raises(Exception, match="GPTOSS_MAX_SCRUB must be zero, small, big or nan"):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(Exception, match=f"{variable} must be zero, small, big or nan"):
         host_outputs(model, _inputs())
