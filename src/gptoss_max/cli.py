@@ -175,12 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "deterministic", False):
-        if getattr(args, "graph_capture", False):
-            parser.error("--deterministic waits for every device op, which a captured device graph cannot: "
-                         "drop --graph-capture or --deterministic")  # fmt: skip
         os.environ["GPTOSS_MAX_DETERMINISTIC"] = "on"  # read where the model is built (the server's worker too)
-        try:
-            settings.attention_impl()  # refuses an explicit GPTOSS_MAX_ATTENTION that MAX would serve
+        try:  # before anything loads: what engine.pipeline_args would refuse later
+            settings.check_deterministic(getattr(args, "graph_capture", False))
         except ValueError as exc:
             parser.error(str(exc))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)

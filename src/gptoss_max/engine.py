@@ -52,11 +52,7 @@ def pipeline_args(opts: EngineOptions) -> Any:
     from gptoss_max.synthetic import resolve
 
     gpu = opts.on_gpu
-    if opts.graph_capture and settings.deterministic():
-        raise ValueError(
-            "GPTOSS_MAX_DETERMINISTIC=on (--deterministic) waits for every device op, which a captured "
-            "device graph cannot; drop one of the two"
-        )
+    settings.check_deterministic(opts.graph_capture)
     if opts.graph_capture and not gpu:
         raise ValueError("device graph capture needs a GPU (MAX's overlap pipeline refuses CPU models)")
     fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)

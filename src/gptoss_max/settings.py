@@ -53,6 +53,19 @@ def deterministic() -> bool:
     return _choice("GPTOSS_MAX_DETERMINISTIC", "off", "off", "on") == "on"
 
 
+def check_deterministic(graph_capture: bool) -> None:
+    """ValueError for what `GPTOSS_MAX_DETERMINISTIC=on` cannot run with: graph capture, or an
+    explicit `GPTOSS_MAX_ATTENTION` other than `ours` (attention_impl); nothing when it is off."""
+    if not deterministic():
+        return
+    if graph_capture:
+        raise ValueError(
+            "GPTOSS_MAX_DETERMINISTIC=on (--deterministic) waits for every device op, which a captured "
+            "device graph cannot: drop --graph-capture or --deterministic"
+        )
+    attention_impl()
+
+
 def attention_impl() -> str:
     """`GPTOSS_MAX_ATTENTION`: `auto` (= `hybrid`), `hybrid`, `ours` or `max`; what a GPU graph's
     attention core is (a CPU graph always uses ours: MAX's over-counts sinks past 128 keys and
