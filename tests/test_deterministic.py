@@ -6,6 +6,8 @@ the tiny model's CLI run with it is in test_cli.py."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -73,6 +75,43 @@ def test_cli_refuses_conflicts_before_loading(monkeypatch, capsys, argv, env, me
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("before", "after"), [(None, "device-sync-mode"), ("nan-check", "nan-check,device-sync-mode"),
+                                                ("device-sync-mode", "device-sync-mode")])  # fmt: skip
+def test_export_device_sync_adds_max_s_switch_once(monkeypatch, before, after):
+    monkeypatch.setenv("GPTOSS_MAX_DETERMINISTIC", "on")
+    if before is None:
+        monkeypatch.delenv(settings.MODULAR_DEBUG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(settings.MODULAR_DEBUG_ENV, before)
+    settings.export_device_sync()
+    settings.export_device_sync()
+    assert os.environ[settings.MODULAR_DEBUG_ENV] == after
+
+
+def test_export_device_sync_does_nothing_when_off(monkeypatch):
+    monkeypatch.setenv("GPTOSS_MAX_DETERMINISTIC", "off")
+    monkeypatch.delenv(settings.MODULAR_DEBUG_ENV, raising=False)
+    settings.export_device_sync()
+    assert settings.MODULAR_DEBUG_ENV not in os.environ
+
+
+def _max_flag_after_import(env: dict[str, str]) -> str:
+    """MAX's device_sync_mode in a fresh process that imports gptoss_max, then MAX (as every entry
+    point does; setting the flag after the session exists did not hold on an H200)."""
+    code = "import gptoss_max; from max.engine import InferenceSession as S; print(S.debug.device_sync_mode)"
+    base = {k: v for k, v in os.environ.items() if k not in ("GPTOSS_MAX_DETERMINISTIC", settings.MODULAR_DEBUG_ENV)}
+    proc = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_package_import_turns_max_s_device_sync_on():
+    assert _max_flag_after_import({"GPTOSS_MAX_DETERMINISTIC": "on"}) == "True"
+    assert _max_flag_after_import({}) == "False"
+    # a bad value is refused where the setting is used, not by the import
+    assert _max_flag_after_import({"GPTOSS_MAX_DETERMINISTIC": "1"}) == "False"
 
 
 def test_help_describes_it(capsys):

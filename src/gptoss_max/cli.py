@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "deterministic", False):
         os.environ["GPTOSS_MAX_DETERMINISTIC"] = "on"  # read where the model is built (the server's worker too)
+        settings.export_device_sync()  # MAX is not imported yet: MODULAR_DEBUG still counts
         try:  # before anything loads: what engine.pipeline_args would refuse later
             settings.check_deterministic(getattr(args, "graph_capture", False))
         except ValueError as exc:

@@ -57,10 +57,12 @@ MEMORY_MANAGER_DEFAULT_SHARE = 0.9
 
 
 def enable_device_sync() -> None:
-    """MAX's `device_sync_mode` for this process (`InferenceSession.debug`, a process-wide
-    singleton, read at run time): every device op waits for the one before it, so no two run at
-    once. What `GPTOSS_MAX_DETERMINISTIC=on` (settings.deterministic) relies on; the same as
-    `MODULAR_DEBUG=device-sync-mode`, which MAX parses once, at import."""
+    """MAX's `device_sync_mode` flag for this process (`InferenceSession.debug`, a process-wide
+    singleton): every device op waits for the one before it, so no two run at once. What
+    `GPTOSS_MAX_DETERMINISTIC=on` (settings.deterministic) relies on. Set this way where the model
+    is built, after the session exists, it did not make an H200 run repeat; what did is
+    `MODULAR_DEBUG=device-sync-mode`, which MAX parses once, at import (settings.export_device_sync).
+    This call only keeps the flag on for a process that imported MAX before us."""
     from max.engine import InferenceSession
 
     InferenceSession.debug.device_sync_mode = True

@@ -37,9 +37,10 @@ def _choice(name: str, auto: str, *choices: str) -> str:
 
 def deterministic() -> bool:
     """`GPTOSS_MAX_DETERMINISTIC`: `auto` (= `off`), `off` or `on`. `on` is for bit-repeatable GPU
-    runs (`temperature: 0` giving the same tokens every time), at a speed cost not yet measured:
-    MAX's `device_sync_mode` (every device op waits for the one before it; set where the model
-    is built, `maxapi.enable_device_sync`) and our attention for every step. Graph capture is
+    runs (`temperature: 0` giving the same tokens every time), at a speed cost (H200, synthetic 20b:
+    batch 1 119 tok/s against 186 without it and without graph capture, 575 with capture):
+    MAX's `device_sync_mode` (every device op waits for the one before it; `export_device_sync`)
+    and our attention for every step. Graph capture is
     refused with it. Read in the process that builds the model (`serve --deterministic` sets it
     for the worker).
 
@@ -51,6 +52,25 @@ def deterministic() -> bool:
     reads KV slots and memory that the run did not write, so it is not used.
     """
     return _choice("GPTOSS_MAX_DETERMINISTIC", "off", "off", "on") == "on"
+
+
+# MAX's debug switch for `device_sync_mode`, parsed once, when `max.engine` is imported (tested in
+# test_maxapi.py). Setting `InferenceSession.debug.device_sync_mode` later, where the model is built,
+# did not make an H200 run repeat (bench/NOTES.md, "Greedy repeatability, sixth session").
+MODULAR_DEBUG_ENV = "MODULAR_DEBUG"
+DEVICE_SYNC_DEBUG = "device-sync-mode"
+
+
+def export_device_sync() -> None:
+    """Under `GPTOSS_MAX_DETERMINISTIC=on`, add `device-sync-mode` to `MODULAR_DEBUG` in this
+    process's environment, so that MAX, imported after it here or in a worker process started
+    later, runs every device op after the one before. Called when the package is imported (before
+    any MAX import of ours) and by the CLI's `--deterministic`; nothing when the setting is off."""
+    if not deterministic():
+        return
+    flags = [f for f in os.environ.get(MODULAR_DEBUG_ENV, "").split(",") if f]
+    if DEVICE_SYNC_DEBUG not in flags:
+        os.environ[MODULAR_DEBUG_ENV] = ",".join([*flags, DEVICE_SYNC_DEBUG])
 
 
 def check_deterministic(graph_capture: bool) -> None:
