@@ -1,0 +1,223 @@
+// One-token MXFP4 expert matvec on Hopper's FP8 tensor cores (wgmma m64n8k32 e4m3, A from registers).
+// A probe for issue 4 (scripts/fp8_wgmma_probe.py runs it), not a product kernel.
+//
+// Why: at T = 1 the decode kernels spend about as long on instructions as on loads (bench/NOTES.md,
+// v14 ncu: the one-token down's arithmetic alone 14.4 us of 17.3). Their bf16 decode costs ~3.5
+// instructions per weight. mma.sync e4m3 is emulated on sm_90 (v11 probe), but wgmma e4m3 is native,
+// and an e2m1 nibble placed as the e4m3 byte (s 0 0 e1 e0 m 0 0) is exactly its value x 2^-6
+// (scripts/fp8_split_study.py, fact 1). So a word of 8 nibbles becomes two A registers in ~7 integer
+// operations, one k32 wgmma is exactly one MXFP4 block per row, and the block's E8M0 scale is applied
+// to that wgmma's f32 result. The activation goes in as two e4m3 parts (x*g = hi + lo/16, fact 2 of
+// the same script), as B's columns 0 and 1; columns 2..7 are zero.
+//
+// Layout (the probe's own, made by fp8_wgmma_probe.pack): per expert, 64-row groups `rg`, block pairs
+// `j` (k = 64 j .. 64 j + 63); thread `tid` of the warpgroup (warp w, lane l, g = l / 4, t = l % 4)
+// reads 16 contiguous bytes per (rg, j): words W0..W3, byte i of W0 = (row 16 w + g, k = 64 j + 4 t + i)
+// in its low nibble and (row + 8, same k) in its high nibble; W1 the same at k + 16; W2, W3 the block
+// 2 j + 1. That is mma's m16n8k32 A fragment, which wgmma's register A uses per warp. Scales: a u32
+// per (rg, j, w, g) = [s(row, 2j), s(row + 8, 2j), s(row, 2j + 1), s(row + 8, 2j + 1)].
+//
+// MODE 0: the matvec. MODE 1: the same loads, XOR-folded (no decode, no wgmma). MODE 2: decode,
+// wgmma and scaling on register data (no weight or scale loads).
+
+#ifndef KS
+#define KS 3  // K splits: each warpgroup takes ~NJ / KS block pairs of one 64-row group
+#endif
+#ifndef DEPTH
+#define DEPTH 4  // 16-byte weight loads in flight per thread
+#endif
+#ifndef MODE
+#define MODE 0
+#endif
+#ifndef MINB
+#define MINB 4  // resident warpgroups per SM the registers are held to
+#endif
+#ifndef PIPE
+#define PIPE 1  // 1: a block pair's wgmmas in flight while the previous pair is scaled; 0: wait for each
+#endif
+#ifndef LBO
+#define LBO 128  // B descriptor: byte offset between the two k16 core matrices of a block
+#endif
+
+#define NJ 45  // block pairs per row (K = 2880)
+#define JPER ((NJ + KS - 1) / KS)
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ uint4 ld_na(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// low / high nibbles of 4 bytes as 4 e4m3 bytes (value x 2^-6)
+__device__ __forceinline__ u32 lo_e4m3(u32 w) { return ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu); }
+__device__ __forceinline__ u32 hi_e4m3(u32 w) { return (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// K-major, no swizzle: start >> 4 at bit 0, leading byte offset >> 4 at 16, stride byte offset >> 4 at 32
+__device__ __forceinline__ u64 bdesc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(LBO >> 4) << 16) | ((u64)(LBO >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void keep(float* d) {
+    asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 :
+                 : "memory");
+}
+
+// D = A B (scale-d false): the block's product alone, scaled afterwards
+__device__ __forceinline__ void wgmma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, u32 zero) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(zero));
+}
+
+__device__ __forceinline__ float e8m0(u32 s) { return __int_as_float((s & 0xFFu) << 23); }
+
+// block pair's two wgmma results (8 floats: cols 2t, 2t + 1 of rows g, g + 8, twice) into the row sums
+__device__ __forceinline__ void scale_add(const float* c, u32 s, float& acc_a, float& acc_b) {
+    acc_a = fmaf(fmaf(c[1], 0.0625f, c[0]), e8m0(s), acc_a);
+    acc_b = fmaf(fmaf(c[3], 0.0625f, c[2]), e8m0(s >> 8), acc_b);
+    acc_a = fmaf(fmaf(c[5], 0.0625f, c[4]), e8m0(s >> 16), acc_a);
+    acc_b = fmaf(fmaf(c[7], 0.0625f, c[6]), e8m0(s >> 24), acc_b);
+}
+
+// grid: (row groups per expert * KS, 4 routed experts); block: one warpgroup.
+// wq / sq: the stack's packed blocks / scale words; bimg: the activation's B image (256 B per block);
+// out: 4 x rows f32, summed over the K splits with atomics (zero it first for a checked run).
+extern "C" __global__ void __launch_bounds__(128, MINB)
+expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const uint4* __restrict__ bimg,
+              const int* __restrict__ experts, int row_groups, float* __restrict__ out, float post, u32 z) {
+    __shared__ __align__(128) uint4 bs[JPER * 32];
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int rg = blockIdx.x / KS, ks = blockIdx.x % KS;
+    const int slot = blockIdx.y, e = experts[slot];
+    const int j0 = ks * JPER, n = min(NJ, j0 + JPER) - j0;
+    const size_t group = (size_t)e * row_groups + rg;
+    const uint4* wp = wq + (group * NJ + j0) * 128 + tid;
+    const u32* sp = sq + (group * NJ + j0) * 32 + w * 8 + g;
+    float acc_a = 0.f, acc_b = 0.f;
+#if MODE == 1
+    u32 fold = 0;
+    uint4 r[DEPTH];
+#pragma unroll
+    for (int i = 0; i < DEPTH - 1; i++) r[i] = ld_na(wp + min(i, n - 1) * 128);
+#pragma unroll 1
+    for (int jj = 0; jj < n; jj += DEPTH) {
+#pragma unroll
+        for (int u = 0; u < DEPTH; u++) {
+            const int j = jj + u;
+            r[(u + DEPTH - 1) % DEPTH] = ld_na(wp + (fold & z) + min(j + DEPTH - 1, n - 1) * 128);
+            const u32 s = ld_u32(sp + min(j, n - 1) * 32);
+            fold ^= r[u].x ^ r[u].y ^ r[u].z ^ r[u].w ^ s;
+        }
+    }
+    if (fold == 0x9E3779B9u) out[0] = (float)fold;
+    return;
+#else
+    // the activation's blocks for this split, into shared memory, visible to the async proxy
+    for (int i = tid; i < n * 32; i += 128) bs[i] = bimg[j0 * 32 + i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    const u32 b0 = smem_addr(bs);
+    float c[2][8];
+#pragma unroll
+    for (int q = 0; q < 2; q++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) c[q][i] = 0.f;
+#if MODE == 0
+    uint4 r[DEPTH];
+    u32 rs[DEPTH];
+#pragma unroll
+    for (int i = 0; i < DEPTH - 1; i++) {  // n >= DEPTH - 1 (checked by the host)
+        r[i] = ld_na(wp + i * 128);
+        rs[i] = ld_u32(sp + i * 32);
+    }
+    const uint4* pw = wp + (DEPTH - 1) * 128;  // the next load's address, advanced by one pair a step
+    const u32* ps = sp + (DEPTH - 1) * 32;
+#endif
+    u32 s_prev = 0;
+    // DEPTH is even, so each unrolled step's accumulator set (u & 1) and ring slot are static
+#pragma unroll 1
+    for (int jj = 0; jj < n; jj += DEPTH) {
+#pragma unroll
+        for (int u = 0; u < DEPTH; u++) {
+            const int j = jj + u;
+            if (j < n) {  // uniform across the warpgroup
+#if MODE == 0
+                if (j + DEPTH - 1 < n) {
+                    r[(u + DEPTH - 1) % DEPTH] = ld_na(pw);
+                    rs[(u + DEPTH - 1) % DEPTH] = ld_u32(ps);
+                }
+                pw += 128;
+                ps += 32;
+                const uint4 v = r[u];
+                const u32 s = rs[u];
+#else
+                const u32 h = (u32)j * 0x9E3779B9u ^ (u32)tid;
+                const uint4 v = make_uint4(h, h * 3u, h * 5u, h * 7u);
+                const u32 s = 0x7F7F7F7Fu ^ (h & z);
+#endif
+                float* cq = c[u & 1];
+                const u32 blk = b0 + (u32)j * 512u;
+                wg_fence();
+                wgmma_e4m3(cq, lo_e4m3(v.x), hi_e4m3(v.x), lo_e4m3(v.y), hi_e4m3(v.y), bdesc(blk), 0u);
+                wgmma_e4m3(cq + 4, lo_e4m3(v.z), hi_e4m3(v.z), lo_e4m3(v.w), hi_e4m3(v.w), bdesc(blk + 256u), 0u);
+                wg_commit();
+#if PIPE == 0
+                wg_wait<0>();
+                keep(cq);
+                scale_add(cq, s, acc_a, acc_b);
+#else
+                if (j > 0) {
+                    wg_wait<1>();
+                    float* cp = c[(u + 1) & 1];
+                    keep(cp);
+                    scale_add(cp, s_prev, acc_a, acc_b);
+                }
+                s_prev = s;
+#endif
+            }
+        }
+    }
+#if PIPE != 0
+    wg_wait<0>();
+    if ((n - 1) & 1) {  // the last group's set, by a branch: a run-time index would put c in local memory
+        keep(c[1]);
+        scale_add(c[1], s_prev, acc_a, acc_b);
+    } else {
+        keep(c[0]);
+        scale_add(c[0], s_prev, acc_a, acc_b);
+    }
+#endif
+    if (t == 0) {
+        const int row = rg * 64 + w * 16 + g;
+        float* o = out + (size_t)slot * row_groups * 64;
+        atomicAdd(o + row, acc_a * post);
+        atomicAdd(o + row + 8, acc_b * post);
+    }
+#endif
+}
