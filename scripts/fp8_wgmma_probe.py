@@ -25,7 +25,6 @@ Writes <out>/fp8_wgmma_probe_<gpu>_<yyyymmdd>.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe_common import graph_us_per_launch, write_result  # noqa: E402
+from probe_common import graph_us_per_launch, probe_parser, write_result  # noqa: E402
 
 K = 2880
 NJ = K // 64  # block pairs per row
@@ -79,12 +78,7 @@ def activation_image(x: np.ndarray, torch) -> tuple[np.ndarray, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results", help="directory for the JSON (default: bench/results)")
-    ap.add_argument("--reps", type=int, default=30, help="timed chains per variant (median taken)")
-    ap.add_argument("--chain", type=int, default=20, help="launches per timed chain")
-    ap.add_argument("--sets", type=int, default=6, help="stacks of 128 experts per shape (beyond L2)")
-    args = ap.parse_args(argv)
+    args = probe_parser(__doc__, "sets", 6, "stacks of 128 experts per shape (beyond L2)").parse_args(argv)
     try:
         import cupy as cp
         import torch

@@ -29,7 +29,6 @@ GPU. Prints a table and writes <out>/mem_probe_<gpu>_<yyyymmdd>.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
-from probe_common import graph_us_per_launch, write_result  # noqa: E402
+from probe_common import graph_us_per_launch, probe_parser, write_result  # noqa: E402
 
 HIDDEN = INTER = 2880
 GATE_UP_BYTES = 2 * INTER * HIDDEN // 2  # one expert's gate_up blocks
@@ -153,12 +152,7 @@ extern "C" __global__ void empty_kernel(unsigned* out) {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results", help="directory for the JSON (default: bench/results)")
-    ap.add_argument("--reps", type=int, default=30, help="timed chains per variant (median taken)")
-    ap.add_argument("--chain", type=int, default=20, help="launches per timed chain")
-    ap.add_argument("--sets", type=int, default=6, help="weight sets (a 120b layer's gate_up stack each)")
-    args = ap.parse_args(argv)
+    args = probe_parser(__doc__, "sets", 6, "weight sets (a 120b layer's gate_up stack each)").parse_args(argv)
     try:
         import cupy as cp
     except ImportError:

@@ -28,7 +28,6 @@ GPU of sm_90 or later. Prints a table and writes <out>/l2_prefetch_probe_<gpu>_<
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
-from probe_common import graph_us_per_launch, write_result  # noqa: E402
+from probe_common import graph_us_per_launch, probe_parser, write_result  # noqa: E402
 
 ROWS, COLS = 2880, 4096  # o_proj of gpt-oss: hidden x (64 heads x 64)
 WEIGHT_BYTES = ROWS * COLS * 2
@@ -148,12 +147,7 @@ def prefetch_bytes(fraction: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results", help="directory for the JSON (default: bench/results)")
-    ap.add_argument("--reps", type=int, default=30, help="timed graph replays per variant (median taken)")
-    ap.add_argument("--chain", type=int, default=20, help="iterations per replayed graph")
-    ap.add_argument("--copies", type=int, default=8, help="weight copies rotated (their total beyond L2)")
-    args = ap.parse_args(argv)
+    args = probe_parser(__doc__, "copies", 8, "weight copies rotated (their total beyond L2)").parse_args(argv)
     try:
         import cupy as cp
     except ImportError:

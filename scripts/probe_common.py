@@ -4,12 +4,24 @@ benches do (device, date, the exact command, then the probe's own fields)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+
+def probe_parser(doc: str | None, rotate: str, rotate_default: int, rotate_help: str) -> argparse.ArgumentParser:
+    """The options every CuPy probe takes: `--out`, `--reps` and `--chain` of the replayed graph,
+    and `--<rotate>`, how many copies of its data it rotates through (their total beyond L2)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results", help="directory for the JSON (default: bench/results)")
+    ap.add_argument("--reps", type=int, default=30, help="timed graph replays per variant (median taken)")
+    ap.add_argument("--chain", type=int, default=20, help="launches per replayed graph")
+    ap.add_argument(f"--{rotate}", type=int, default=rotate_default, help=rotate_help)
+    return ap
 
 
 def graph_us_per_launch(cp, launch: Callable[[int], None], warm: int, chain: int, reps: int) -> float:
