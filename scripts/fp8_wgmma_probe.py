@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe_common import graph_us_per_launch, probe_parser, write_result  # noqa: E402
+from probe_common import graph_us_per_launch, open_gpu, probe_parser, write_result  # noqa: E402
 
 K = 2880
 NJ = K // 64  # block pairs per row
@@ -79,17 +79,11 @@ def activation_image(x: np.ndarray, torch) -> tuple[np.ndarray, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = probe_parser(__doc__, "sets", 6, "stacks of 128 experts per shape (beyond L2)").parse_args(argv)
-    try:
-        import cupy as cp
-        import torch
-    except ImportError:
-        print("needs CuPy and torch with a CUDA GPU", file=sys.stderr)
+    gpu = open_gpu()
+    if gpu is None:
         return 2
-    from moe import copy_bandwidth  # bench/moe.py
-
-    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
-    copy_tb_s = copy_bandwidth(torch)
-    torch.cuda.empty_cache()
+    cp, torch, props, copy_tb_s = gpu
+    name = props["name"].decode()
     source = Path(__file__).with_suffix(".cu").read_text()
     mods: dict = {}
 

@@ -35,8 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
-from probe_common import graph_us_per_launch, probe_parser, write_result  # noqa: E402
+from probe_common import graph_us_per_launch, open_gpu, probe_parser, write_result  # noqa: E402
 
 HIDDEN = INTER = 2880
 GATE_UP_BYTES = 2 * INTER * HIDDEN // 2  # one expert's gate_up blocks
@@ -153,15 +152,12 @@ extern "C" __global__ void empty_kernel(unsigned* out) {
 
 def main(argv: list[str] | None = None) -> int:
     args = probe_parser(__doc__, "sets", 6, "weight sets (a 120b layer's gate_up stack each)").parse_args(argv)
-    try:
-        import cupy as cp
-    except ImportError:
-        print("needs CuPy with a CUDA GPU", file=sys.stderr)
+    gpu = open_gpu()
+    if gpu is None:
         return 2
-
-    dev = cp.cuda.Device()
-    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    n_sm = cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"]
+    cp, _torch, props, copy_tb_s = gpu
+    name = props["name"].decode()
+    n_sm = props["multiProcessorCount"]
     experts = 128
     stack = experts * GATE_UP_BYTES
     buf = cp.empty(args.sets * stack, dtype=cp.uint8)
@@ -177,12 +173,6 @@ def main(argv: list[str] | None = None) -> int:
             es = rng.sample(range(experts), 4)
             rows.append([s * stack + e * region for e in es])
         return cp.asarray(rows, dtype=cp.int64)
-
-    # the copy bandwidth in the same run, measured as every bench here measures it
-    import torch
-
-    copy_tb_s = copy_bandwidth(torch)
-    torch.cuda.empty_cache()
 
     mods: dict = {}
 

@@ -34,8 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe import copy_bandwidth  # noqa: E402  (bench/moe.py)
-from probe_common import graph_us_per_launch, probe_parser, write_result  # noqa: E402
+from probe_common import graph_us_per_launch, open_gpu, probe_parser, write_result  # noqa: E402
 
 ROWS, COLS = 2880, 4096  # o_proj of gpt-oss: hidden x (64 heads x 64)
 WEIGHT_BYTES = ROWS * COLS * 2
@@ -148,18 +147,13 @@ def prefetch_bytes(fraction: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = probe_parser(__doc__, "copies", 8, "weight copies rotated (their total beyond L2)").parse_args(argv)
-    try:
-        import cupy as cp
-    except ImportError:
-        print("needs CuPy with a CUDA GPU", file=sys.stderr)
+    gpu = open_gpu()
+    if gpu is None:
         return 2
     import numpy as np
-    import torch
 
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    cp, _torch, props, copy_tb_s = gpu
     name = props["name"].decode()
-    copy_tb_s = copy_bandwidth(torch)
-    torch.cuda.empty_cache()
 
     rng = np.random.default_rng(0)
     table = cp.asarray(rng.integers(0, TABLE_WORDS, TABLE_WORDS, dtype=np.uint32))

@@ -24,6 +24,23 @@ def probe_parser(doc: str | None, rotate: str, rotate_default: int, rotate_help:
     return ap
 
 
+def open_gpu():
+    """(cupy, torch, the GPU's properties, its copy bandwidth in TB/s measured as bench/moe.py
+    measures it), or None after saying what is missing. The caller has bench/ on sys.path."""
+    try:
+        import cupy as cp
+        import torch
+    except ImportError:
+        print("needs CuPy and torch with a CUDA GPU", file=sys.stderr)
+        return None
+    from moe import copy_bandwidth  # bench/moe.py
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    copy_tb_s = copy_bandwidth(torch)
+    torch.cuda.empty_cache()
+    return cp, torch, props, copy_tb_s
+
+
 def graph_us_per_launch(cp, launch: Callable[[int], None], warm: int, chain: int, reps: int) -> float:
     """Median us per iteration over `reps` replays of a CUDA graph of `chain` iterations
     (`launch(i)` enqueues iteration i on the current stream): host launch costs out, the GPU's
