@@ -17,6 +17,13 @@
 // 2 j + 1. That is mma's m16n8k32 A fragment, which wgmma's register A uses per warp. Scales: a u32
 // per (rg, j, w, g) = [s(row, 2j), s(row + 8, 2j), s(row, 2j + 1), s(row + 8, 2j + 1)].
 //
+// ALGO 0 (blockscale) as above. ALGO 1 (lut): the scale goes into the e4m3 exponent instead. Every
+// block of a row becomes e2m1 x 2^(d - 5), where d is its scale minus the row's smallest (0..11), and
+// all nonzero codes are normals. prmt picks each magnitude from an 8-byte table built per (row, block)
+// by two IMAD. So the wgmmas accumulate in one f32 set over all of K, with no wait between blocks,
+// and the row's 2^(smallest - 127) is applied once at the end. Same words, other bits inside them
+// (fp8_wgmma_probe.pack_lut).
+//
 // MODE 0: the matvec. MODE 1: the same loads, XOR-folded (no decode, no wgmma). MODE 2: decode,
 // wgmma and scaling on register data (no weight or scale loads).
 
@@ -34,6 +41,9 @@
 #endif
 #ifndef PIPE
 #define PIPE 1  // 1: a block pair's wgmmas in flight while the previous pair is scaled; 0: wait for each
+#endif
+#ifndef ALGO
+#define ALGO 0  // 0: blockscale (each k32 result scaled); 1: lut (the scale in the e4m3 exponent)
 #endif
 #ifndef LBO
 #define LBO 128  // B descriptor: byte offset between the two k16 core matrices of a block
@@ -86,13 +96,32 @@ __device__ __forceinline__ void keep(float* d) {
                  : "memory");
 }
 
-// D = A B (scale-d false): the block's product alone, scaled afterwards
-__device__ __forceinline__ void wgmma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, u32 zero) {
+// D = A B + (accumulate ? D : 0); blockscale takes each block's product alone and scales it afterwards
+__device__ __forceinline__ void wgmma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, u32 accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(zero));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// ALGO 1 ("lut"): a row's block as e4m3 bytes of e2m1 x 2^(d - 5), d = its scale byte minus the row's
+// smallest (0..11), every nonzero code a normal: a byte table of the 8 magnitudes, picked by prmt.
+// Word layout: row g's value i has its magnitude in nibble i (bits 0-2) and its sign at bit 8 i + 7;
+// row g + 8's value i its magnitude in nibble 4 + i and its sign at bit 8 i + 3.
+struct Lut {
+    u32 lo, hi;
+};
+__device__ __forceinline__ Lut lut(u32 d) { return {0x14100800u + d * 0x08080800u, 0x24201C18u + d * 0x08080808u}; }
+__device__ __forceinline__ u32 lut_g(u32 w, Lut t) { return prmt(t.lo, t.hi, w & 0x7777u) | (w & 0x80808080u); }
+__device__ __forceinline__ u32 lut_g8(u32 w, Lut t) {
+    return prmt(t.lo, t.hi, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
 }
 
 __device__ __forceinline__ float e8m0(u32 s) { return __int_as_float((s & 0xFFu) << 23); }
@@ -110,7 +139,8 @@ __device__ __forceinline__ void scale_add(const float* c, u32 s, float& acc_a, f
 // out: 4 x rows f32, summed over the K splits with atomics (zero it first for a checked run).
 extern "C" __global__ void __launch_bounds__(128, MINB)
 expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const uint4* __restrict__ bimg,
-              const int* __restrict__ experts, int row_groups, float* __restrict__ out, float post, u32 z) {
+              const unsigned char* __restrict__ sref, const int* __restrict__ experts, int row_groups,
+              float* __restrict__ out, float post, u32 z) {
     __shared__ __align__(128) uint4 bs[JPER * 32];
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int rg = blockIdx.x / KS, ks = blockIdx.x % KS;
@@ -142,7 +172,7 @@ expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const ui
     for (int i = tid; i < n * 32; i += 128) bs[i] = bimg[j0 * 32 + i];
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
-    const u32 b0 = smem_addr(bs);
+    const u64 desc0 = bdesc(smem_addr(bs));  // + 32 per block pair (512 B >> 4), + 16 for its second block
     float c[2][8];
 #pragma unroll
     for (int q = 0; q < 2; q++)
@@ -159,7 +189,15 @@ expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const ui
     const uint4* pw = wp + (DEPTH - 1) * 128;  // the next load's address, advanced by one pair a step
     const u32* ps = sp + (DEPTH - 1) * 32;
 #endif
+#if ALGO == 0 && PIPE != 0
     u32 s_prev = 0;
+#endif
+#if ALGO == 1
+    // the rows' smallest scales, for the bytewise d = s - sref of each pair's scale word
+    const size_t row0 = (size_t)e * row_groups * 64 + rg * 64 + w * 16 + g;
+    const u32 ref_g = sref[row0], ref_g8 = sref[row0 + 8];
+    const u32 ref_word = ref_g | (ref_g8 << 8) | (ref_g << 16) | (ref_g8 << 24);
+#endif
     // DEPTH is even, so each unrolled step's accumulator set (u & 1) and ring slot are static
 #pragma unroll 1
     for (int jj = 0; jj < n; jj += DEPTH) {
@@ -181,11 +219,21 @@ expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const ui
                 const uint4 v = make_uint4(h, h * 3u, h * 5u, h * 7u);
                 const u32 s = 0x7F7F7F7Fu ^ (h & z);
 #endif
-                float* cq = c[u & 1];
-                const u32 blk = b0 + (u32)j * 512u;
+                const u64 dj = desc0 + (u64)(j * 32);
+#if ALGO == 1
+                const u32 dw = s - ref_word;  // no borrow: every byte's s >= its row's smallest
+                const Lut t0 = lut(dw & 0xFFu), t1 = lut((dw >> 8) & 0xFFu);
+                const Lut t2 = lut((dw >> 16) & 0xFFu), t3 = lut(dw >> 24);
                 wg_fence();
-                wgmma_e4m3(cq, lo_e4m3(v.x), hi_e4m3(v.x), lo_e4m3(v.y), hi_e4m3(v.y), bdesc(blk), 0u);
-                wgmma_e4m3(cq + 4, lo_e4m3(v.z), hi_e4m3(v.z), lo_e4m3(v.w), hi_e4m3(v.w), bdesc(blk + 256u), 0u);
+                wgmma_e4m3(c[0], lut_g(v.x, t0), lut_g8(v.x, t1), lut_g(v.y, t0), lut_g8(v.y, t1), dj, 1u);
+                wgmma_e4m3(c[0], lut_g(v.z, t2), lut_g8(v.z, t3), lut_g(v.w, t2), lut_g8(v.w, t3), dj + 16, 1u);
+                wg_commit();
+                wg_wait<PIPE>();
+#else
+                float* cq = c[u & 1];
+                wg_fence();
+                wgmma_e4m3(cq, lo_e4m3(v.x), hi_e4m3(v.x), lo_e4m3(v.y), hi_e4m3(v.y), dj, 0u);
+                wgmma_e4m3(cq + 4, lo_e4m3(v.z), hi_e4m3(v.z), lo_e4m3(v.w), hi_e4m3(v.w), dj + 16, 0u);
                 wg_commit();
 #if PIPE == 0
                 wg_wait<0>();
@@ -200,10 +248,16 @@ expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const ui
                 }
                 s_prev = s;
 #endif
+#endif
             }
         }
     }
-#if PIPE != 0
+#if ALGO == 1
+    wg_wait<0>();
+    keep(c[0]);  // c[0][0..3]: cols 2t, 2t + 1 of rows g, g + 8; e2m1 x 2^(d - 5) gives the 2^5 / 2^6 = 0.5
+    acc_a = fmaf(c[0][1], 0.0625f, c[0][0]) * e8m0(ref_g) * 0.5f;
+    acc_b = fmaf(c[0][3], 0.0625f, c[0][2]) * e8m0(ref_g8) * 0.5f;
+#elif PIPE != 0
     wg_wait<0>();
     if ((n - 1) & 1) {  // the last group's set, by a branch: a run-time index would put c in local memory
         keep(c[1]);

@@ -4,13 +4,16 @@
 A probe for issue 4 (bench/NOTES.md, "v11 proposal" and v14's ncu: at T = 1 the decode kernels
 spend about as long issuing instructions as loading). `fp8_wgmma_probe.cu` (its header says how)
 decodes MXFP4 nibbles straight into e4m3 A registers of `wgmma m64n8k32` (~2 instructions per weight
-in its SASS loop, against ~3.5 in the Mojo decode kernels), applies each block's E8M0 scale to its
-k32 result, and takes the activation as two e4m3 parts. It is a CUDA C kernel run through CuPy,
+in its SASS loop, against ~3.5 in the Mojo decode kernels) and takes the activation as two e4m3 parts.
+Two algorithms: `blockscale` applies each block's E8M0 scale to its k32 result; `lut` puts the
+scale into the e4m3 exponent through a per-block byte table (prmt), so the wgmmas accumulate over
+all of K without waiting (a row's scales must lie within 11 of each other). It is a CUDA C kernel run through CuPy,
 checked against a float64 reference of the same MXFP4 weights, and timed like `gpu_mem_probe.py`:
 a replayed CUDA graph of launches, each on 4 random experts of one of several 120b-sized stacks
 (beyond L2).
 
-Rows per variant (K splits KS, 16-byte loads in flight DEPTH, resident warpgroups MINB, PIPE):
+Rows per variant (algorithm, K splits KS, 16-byte loads in flight DEPTH, resident warpgroups MINB,
+PIPE):
   matvec      the whole thing (the relative error against the reference is checked first);
   loads only  the same loads, XOR-folded (MODE 1);
   math only   decode, wgmma and scaling on register data (MODE 2);
@@ -39,8 +42,14 @@ K = 2880
 NJ = K // 64  # block pairs per row
 SHAPES = {"gate_up": 5760, "down": 2880}
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
-# (KS, DEPTH, MINB, PIPE)
-VARIANTS = ((3, 4, 4, 0), (3, 2, 4, 0), (3, 6, 4, 0), (2, 4, 4, 0), (5, 4, 6, 0), (9, 2, 8, 0), (3, 4, 4, 1))
+ALGOS = ("blockscale", "lut")
+# (ALGO, KS, DEPTH, MINB, PIPE); blockscale's PIPE 1 is serialized by ptxas (C7514), lut's is not
+VARIANTS = (
+    (0, 3, 4, 4, 0), (0, 3, 2, 4, 0), (0, 3, 6, 4, 0), (0, 2, 4, 4, 0), (0, 5, 4, 6, 0), (0, 9, 2, 8, 0),
+    (0, 3, 4, 4, 1), (1, 3, 4, 4, 1), (1, 3, 4, 4, 0), (1, 3, 2, 4, 1), (1, 2, 4, 4, 1), (1, 5, 4, 6, 1),
+    (1, 9, 2, 8, 1),
+)  # fmt: skip
+LUT_MAX_D = 11  # lut: a block's scale at most this far above its row's smallest (e4m3 exponent 15)
 
 
 def pack(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,6 +65,23 @@ def pack(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     s = scales.reshape(rows // 64, 4, 2, 8, NJ, 2)  # rg, w, half, g, j, blk
     words = s.transpose(0, 4, 1, 3, 5, 2).astype(np.uint8)  # rg, j, w, g, blk, half
     return packed, words.reshape(rows // 64, NJ, 4, 8, 4)
+
+
+def pack_lut(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`pack` for ALGO 1 (lut): the same words and thread order, other bits inside each word
+    (fp8_wgmma_probe.cu, `lut_g` / `lut_g8`): row g's value i keeps its magnitude in nibble i and
+    its sign at bit 8 i + 7, row g + 8's its magnitude in nibble 4 + i and its sign at bit 8 i + 3.
+    Also each row's smallest scale byte (rows,), which the kernel subtracts."""
+    sref = scales.min(axis=1)
+    if int((scales - sref[:, None]).max()) > LUT_MAX_D:
+        raise ValueError(f"a row's scales span more than {LUT_MAX_D}: lut cannot take it")
+    packed, words = pack(codes, scales)
+    u = packed.reshape(-1, 4, 4).astype(np.uint32)  # (word, byte i): low nibble row g, high row g + 8
+    a, b = u & 0xF, u >> 4
+    i = np.arange(4, dtype=np.uint32)
+    lut_words = ((a & 7) << (4 * i)) | ((a >> 3) << (8 * i + 7)) | ((b & 7) << (16 + 4 * i)) | ((b >> 3) << (8 * i + 3))
+    out = lut_words.sum(axis=-1, dtype=np.uint32).astype("<u4").view(np.uint8).reshape(packed.shape)
+    return out, words, sref
 
 
 def reference(codes: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -77,13 +103,64 @@ def activation_image(x: np.ndarray, torch) -> tuple[np.ndarray, float]:
     return img.reshape(-1), 64.0 / g
 
 
+class Stack:
+    """One shape's weights on the GPU: `sets` stacks of 128 experts of hashed bytes (timing), 4 of
+    set 0's experts holding real codes (the check), in the layout of the algorithm last loaded."""
+
+    EXPERTS = 128
+    CHECKED = (3, 50, 77, 120)
+
+    def __init__(self, cp, rows: int, sets: int, x: np.ndarray, rng: np.random.Generator):
+        self.cp, self.rows, self.groups = cp, rows, rows // 64
+        self.wbytes = self.EXPERTS * self.groups * NJ * 128 * 16  # a stack's packed blocks
+        self.sbytes = self.EXPERTS * self.groups * NJ * 32 * 4  # and its scale words
+        self.wq = cp.empty(sets * self.wbytes, dtype=cp.uint8)
+        self.sq = cp.full(sets * self.sbytes, 121, dtype=cp.uint8)  # the synthetic checkpoints' scales
+        self.sref = cp.full(self.EXPERTS * rows, 121, dtype=cp.uint8)
+        for s in range(sets):  # hashed words (random-like bytes), a stack at a time
+            words = self.wq[s * self.wbytes : (s + 1) * self.wbytes].view(cp.uint32)
+            words[:] = (cp.arange(words.size, dtype=cp.uint32) + np.uint32(s * 7919)) * np.uint32(2654435761)
+        self.layouts: dict[int, list] = {0: [], 1: []}
+        refs = []
+        for e in self.CHECKED:
+            codes = rng.integers(0, 16, (rows, K), dtype=np.uint8)
+            scales = rng.integers(117, 125, (rows, K // 32), dtype=np.uint8)
+            self.layouts[0].append(pack(codes, scales))
+            packed_lut, words, sref = pack_lut(codes, scales)
+            self.layouts[1].append((packed_lut, words))
+            self.sref[e * rows : (e + 1) * rows] = cp.asarray(sref)
+            refs.append(reference(codes, scales, x))
+        self.ref = np.stack(refs)
+        self.checked = cp.asarray(np.array(self.CHECKED, dtype=np.int32))
+        self.chain = [
+            (int(rng.integers(sets)), cp.asarray(rng.choice(self.EXPERTS, 4, replace=False).astype(np.int32)))
+            for _ in range(20)
+        ]
+        self.out = cp.zeros(4 * rows, dtype=cp.float32)
+
+    def load_checked(self, algo: int) -> None:
+        """The checked experts' bytes in `algo`'s layout."""
+        w, s = self.wbytes // self.EXPERTS, self.sbytes // self.EXPERTS
+        for e, (packed, words) in zip(self.CHECKED, self.layouts[algo], strict=True):
+            self.wq[e * w : (e + 1) * w] = self.cp.asarray(packed.reshape(-1))
+            self.sq[e * s : (e + 1) * s] = self.cp.asarray(words.reshape(-1))
+
+    def args(self, bimg, post: float, i: int | None):
+        """Kernel arguments: launch i of the timed chain, or (None) the checked experts."""
+        if i is None:
+            wq, sq, experts = self.wq, self.sq, self.checked
+        else:
+            s, experts = self.chain[i % len(self.chain)]
+            wq, sq = self.wq[s * self.wbytes :], self.sq[s * self.sbytes :]
+        return (wq, sq, bimg, self.sref, experts, np.int32(self.groups), self.out, np.float32(post), np.uint32(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = probe_parser(__doc__, "sets", 6, "stacks of 128 experts per shape (beyond L2)").parse_args(argv)
     gpu = open_gpu()
     if gpu is None:
         return 2
     cp, torch, props, copy_tb_s = gpu
-    name = props["name"].decode()
     source = Path(__file__).with_suffix(".cu").read_text()
     mods: dict = {}
 
@@ -95,77 +172,49 @@ def main(argv: list[str] | None = None) -> int:
         return mods[key]
 
     rng = np.random.default_rng(0)
-    experts = 128
-    x = rng.standard_normal(K).astype(np.float32)
-    x = torch.tensor(x).to(torch.bfloat16).float().numpy()  # the kernels' bf16 activation
+    x = torch.tensor(rng.standard_normal(K).astype(np.float32)).to(torch.bfloat16).float().numpy()  # bf16, as h
     img, post = activation_image(x, torch)
     bimg = cp.asarray(img)
     rows_out = []
     for shape, rows in SHAPES.items():
-        groups = rows // 64
-        wbytes = experts * groups * NJ * 128 * 16
-        sbytes = experts * groups * NJ * 32 * 4
-        wq = cp.empty(args.sets * wbytes, dtype=cp.uint8)
-        sq = cp.empty(args.sets * sbytes, dtype=cp.uint8)
-        for s in range(args.sets):  # hashed words (random-like bytes), a stack at a time
-            words = wq[s * wbytes : (s + 1) * wbytes].view(cp.uint32)
-            words[:] = (cp.arange(words.size, dtype=cp.uint32) + np.uint32(s * 7919)) * np.uint32(2654435761)
-        sq[:] = 121  # scale bytes of the synthetic checkpoints (119-122)
-        # the checked experts: real codes and scales at 4 slots of set 0
-        chosen = [3, 50, 77, 120]
-        refs = []
-        for e in chosen:
-            codes = rng.integers(0, 16, (rows, K), dtype=np.uint8)
-            scales = rng.integers(117, 125, (rows, K // 32), dtype=np.uint8)
-            pw, ps = pack(codes, scales)
-            wq[e * (wbytes // experts) : (e + 1) * (wbytes // experts)] = cp.asarray(pw.reshape(-1))
-            sq[e * (sbytes // experts) : (e + 1) * (sbytes // experts)] = cp.asarray(ps.reshape(-1))
-            refs.append(reference(codes, scales, x))
-        ref = np.stack(refs)
-        out = cp.zeros(4 * rows, dtype=cp.float32)
-        launches = []
-        for _ in range(args.chain):
-            s = int(rng.integers(args.sets))
-            es = cp.asarray(rng.choice(experts, 4, replace=False).astype(np.int32))
-            launches.append((wq[s * wbytes :], sq[s * sbytes :], es))
-        checked_es = cp.asarray(np.array(chosen, dtype=np.int32))
+        stack = Stack(cp, rows, args.sets, x, rng)
         total = 4 * (rows * K // 2 + rows * K // 32)
-        for ks, depth, minb, pipe in VARIANTS:
+        for algo, ks, depth, minb, pipe in VARIANTS:
             if -(-NJ // ks) < depth - 1:
                 continue
-            grid = (groups * ks, 4)
-            row: dict = {"shape": shape, "ks": ks, "depth": depth, "minb": minb, "pipe": pipe, "bytes": total}
-            for mode, label in ((0, "matvec"), (1, "loads only"), (2, "math only")):
-                if mode and pipe:
+            stack.load_checked(algo)
+            grid = (stack.groups * ks, 4)
+            row: dict = {"shape": shape, "algo": ALGOS[algo], "ks": ks, "depth": depth, "minb": minb, "pipe": pipe}
+            row["bytes"] = total
+            for mode, label in ((0, "matvec"), (1, "loads_only"), (2, "math_only")):
+                if mode and (pipe != algo or algo and depth != 4):  # the twins once per structure
                     continue
-                k = kernel(KS=ks, DEPTH=depth, MINB=minb, PIPE=pipe, MODE=mode)
+                k = kernel(ALGO=algo, KS=ks, DEPTH=depth, MINB=minb, PIPE=pipe, MODE=mode)
                 if mode == 0:
-                    out[:] = 0
-                    k(grid, (128,), (wq, sq, bimg, checked_es, np.int32(groups), out, np.float32(post), np.uint32(0)))
-                    got = cp.asnumpy(out).reshape(4, rows).astype(np.float64)
-                    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-                    row["rel_err"] = rel
+                    stack.out[:] = 0
+                    k(grid, (128,), stack.args(bimg, post, None))
+                    got = cp.asnumpy(stack.out).reshape(4, rows).astype(np.float64)
+                    row["rel_err"] = float(np.linalg.norm(got - stack.ref) / np.linalg.norm(stack.ref))
                     row["nan"] = bool(np.isnan(got).any())
-
-                def launch(i, k=k, grid=grid, launches=launches, groups=groups, out=out):
-                    w, sc, es = launches[i % len(launches)]
-                    k(grid, (128,), (w, sc, bimg, es, np.int32(groups), out, np.float32(post), np.uint32(0)))
-
-                us = graph_us_per_launch(cp, launch, 3, args.chain, args.reps)
-                row[label.replace(" ", "_") + "_us"] = round(us, 2)
+                us = graph_us_per_launch(
+                    cp, lambda i, k=k, g=grid, st=stack: k(g, (128,), st.args(bimg, post, i)), 3, args.chain, args.reps
+                )
+                row[label + "_us"] = round(us, 2)
             row["tb_s"] = round(total / (row["matvec_us"] * 1e-6) / 1e12, 3)
             row["frac_of_copy"] = round(row["tb_s"] / copy_tb_s, 3)
             rows_out.append(row)
-            parts = "" if pipe else f"  loads only {row['loads_only_us']:7.2f}  math only {row['math_only_us']:7.2f}"
+            twins = "".join(
+                f"  {k[:-3].replace('_', ' ')} {row[k]:7.2f}" for k in ("loads_only_us", "math_only_us") if k in row
+            )
             print(
-                f"{shape:8s} KS{ks} D{depth} M{minb} P{pipe}: matvec {row['matvec_us']:7.2f} us "
-                f"({row['frac_of_copy']:.2f} of copy, rel err {row['rel_err']:.2e}){parts}",
+                f"{shape:8s} {ALGOS[algo]:10s} KS{ks} D{depth} M{minb} P{pipe}: matvec {row['matvec_us']:7.2f} us "
+                f"({row['frac_of_copy']:.2f} of copy, rel err {row['rel_err']:.2e}){twins}",
                 flush=True,
             )
-        del wq, sq
+        del stack
         cp.get_default_memory_pool().free_all_blocks()
     fields = {"copy_tb_s": round(copy_tb_s, 3), "chain": args.chain, "rows": rows_out}
-    path = write_result(args.out, "fp8_wgmma_probe", name, "fp8_wgmma_probe.py", argv, fields)
+    path = write_result(args.out, "fp8_wgmma_probe", props["name"].decode(), "fp8_wgmma_probe.py", argv, fields)
     print(f"copy {copy_tb_s:.2f} TB/s; wrote {path}")
     return 0
 
