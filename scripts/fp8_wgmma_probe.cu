@@ -96,6 +96,10 @@ __device__ __forceinline__ void keep(float* d) {
                  : "memory");
 }
 
+__device__ __forceinline__ void keep4(float* d) {
+    asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
+}
+
 // D = A B + (accumulate ? D : 0); blockscale takes each block's product alone and scales it afterwards
 __device__ __forceinline__ void wgmma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, u32 accumulate) {
     asm volatile(
@@ -274,4 +278,149 @@ expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const ui
         atomicAdd(o + row + 8, acc_b * post);
     }
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// ALGO 2 ("bf16"): no new layout and no FP8. The op's own MXFP4 layout (mxfp4.tile_for_op: 16-row
+// tiles, block pairs, the word repack) decoded as the Mojo decode kernels decode it
+// (moe_common.decode_slot: a rotate and a mask per bf16 pair, then one bf16 multiply by 2^(s - 1)),
+// lane (g, q) holding block 4 b + q of rows g and g + 8 as they do. The pairs go to
+// wgmma m64n8k16 bf16 as A (a warpgroup = 4 tiles) instead of mma.sync, with x in shared memory in
+// the blocks' decode order (fp8_wgmma_probe.bf16_image), so no lane loads activations. The scale
+// is applied in the decode, so one wgmma may mix the 4 lanes' blocks.
+
+#define NB 90      // blocks per row
+#define NBATCH 23  // batches of 4 blocks (lane q: block 4 b + q); the last one has blocks 88, 89 only
+#define BPER ((NBATCH + KS - 1) / KS)
+
+__device__ __forceinline__ u32 rotr(u32 w, int r) {
+    u32 d;
+    asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(w), "r"(r));
+    return d;
+}
+
+// slot c's bf16 pair bits of a repacked word: e2m1 x 2^-126 (mxfp4.py, "The word repack")
+__device__ __forceinline__ u32 slot_bits(u32 w, int c) {
+    if (c < 3) return rotr(w, 6 * c) & 0x81C081C0u;
+    return (rotr(w, 10) & 0x00400040u) | (rotr(w, 2) & 0x81808180u);
+}
+
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ void wgmma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+
+__device__ __forceinline__ unsigned char ld_u8(const unsigned char* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+    return (unsigned char)v;
+}
+
+// grid and arguments as expert_matvec (sref unused); wq / sq: the op's tiled blocks and scales
+extern "C" __global__ void __launch_bounds__(128, MINB)
+bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, const uint4* __restrict__ bimg,
+            const unsigned char* __restrict__ sref, const int* __restrict__ experts, int row_groups,
+            float* __restrict__ out, float post, u32 z) {
+    __shared__ __align__(128) uint4 bs[BPER * 128];  // per batch: 8 k16 steps x 256 B
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int rg = blockIdx.x / KS, ks = blockIdx.x % KS;
+    const int slot = blockIdx.y, e = experts[slot];
+    const int rows = row_groups * 64, tile = rg * 4 + w;
+    const int b0 = ks * BPER, n = min(NBATCH, b0 + BPER) - b0;
+    // row g of the tile (row g + 8: + 256 B / + 16 B); tiled_block_offset / tiled_scale_offset
+    const char* wrow = (const char*)wq + ((size_t)e * rows + (size_t)tile * 16) * NB * 16 + g * 32;
+    const unsigned char* srow = sq + ((size_t)e * rows + (size_t)tile * 16) * NB + g * 2;
+#if MODE == 1
+    u32 fold = 0;
+#pragma unroll 1
+    for (int bb0 = 0; bb0 < n; bb0 += DEPTH) {
+        uint4 v[DEPTH], v8[DEPTH];
+        u32 s[DEPTH];
+#pragma unroll
+        for (int u = 0; u < DEPTH; u++) {  // DEPTH batches' loads in flight, then their fold
+            const int blk = min(4 * (b0 + min(bb0 + u, n - 1)) + q, NB - 1);
+            const int off = (blk >> 1) * 512 + (blk & 1) * 16 + (fold & z);
+            v[u] = ld_na(wrow + off);
+            v8[u] = ld_na(wrow + off + 256);
+            s[u] = ld_u8(srow + (blk >> 1) * 32 + (blk & 1)) ^ ((u32)ld_u8(srow + (blk >> 1) * 32 + (blk & 1) + 16) << 8);
+        }
+#pragma unroll
+        for (int u = 0; u < DEPTH; u++) fold ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w ^ v8[u].x ^ v8[u].y ^ v8[u].z ^ v8[u].w ^ s[u];
+    }
+    if (fold == 0x9E3779B9u) out[0] = (float)fold;
+    return;
+#endif
+    for (int i = tid; i < n * 128; i += 128) bs[i] = bimg[b0 * 128 + i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    const u64 desc0 = bdesc(smem_addr(bs));  // + 16 per k16 step (256 B >> 4), + 128 per batch
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#if MODE == 0
+    uint4 rg_[DEPTH], rg8[DEPTH];
+    u32 sg[DEPTH], sg8[DEPTH];
+#pragma unroll
+    for (int i = 0; i < DEPTH - 1; i++) {
+        const int blk = min(4 * (b0 + i) + q, NB - 1), off = (blk >> 1) * 512 + (blk & 1) * 16;
+        rg_[i] = ld_na(wrow + off);
+        rg8[i] = ld_na(wrow + off + 256);
+        sg[i] = ld_u8(srow + (blk >> 1) * 32 + (blk & 1));
+        sg8[i] = ld_u8(srow + (blk >> 1) * 32 + (blk & 1) + 16);
+    }
+#endif
+#pragma unroll 1
+    for (int bb0 = 0; bb0 < n; bb0 += DEPTH) {
+#pragma unroll
+        for (int u = 0; u < DEPTH; u++) {
+            const int bb = bb0 + u;
+            if (bb < n) {  // uniform across the warpgroup
+#if MODE == 0
+                if (bb + DEPTH - 1 < n) {
+                    const int blk = min(4 * (b0 + bb + DEPTH - 1) + q, NB - 1);
+                    const int off = (blk >> 1) * 512 + (blk & 1) * 16, soff = (blk >> 1) * 32 + (blk & 1);
+                    const int r = (u + DEPTH - 1) % DEPTH;
+                    rg_[r] = ld_na(wrow + off);
+                    rg8[r] = ld_na(wrow + off + 256);
+                    sg[r] = ld_u8(srow + soff);
+                    sg8[r] = ld_u8(srow + soff + 16);
+                }
+                const uint4 vg = rg_[u], vg8 = rg8[u];
+                const u32 mg = ((sg[u] + 126u) << 7) * 0x00010001u, mg8 = ((sg8[u] + 126u) << 7) * 0x00010001u;
+#else
+                const u32 h = (u32)bb * 0x9E3779B9u ^ (u32)tid;
+                const uint4 vg = make_uint4(h, h * 3u, h * 5u, h * 7u), vg8 = make_uint4(h * 9u, h * 11u, h * 13u, h);
+                const u32 mg = (((121u ^ (h & z)) + 126u) << 7) * 0x00010001u, mg8 = mg;
+#endif
+                const u64 db = desc0 + (u64)(bb * 128);
+                wg_fence();
+#pragma unroll
+                for (int t = 0; t < 8; t++) {  // pairs 2t, 2t + 1 of each block: word p & 3, slot p >> 2
+                    const int p0 = 2 * t, p1 = 2 * t + 1;
+                    wgmma_bf16(c, bmul2(slot_bits(word_of(vg, p0 & 3), p0 >> 2), mg),
+                               bmul2(slot_bits(word_of(vg8, p0 & 3), p0 >> 2), mg8),
+                               bmul2(slot_bits(word_of(vg, p1 & 3), p1 >> 2), mg),
+                               bmul2(slot_bits(word_of(vg8, p1 & 3), p1 >> 2), mg8), db + t * 16);
+                }
+                wg_commit();
+                wg_wait<PIPE>();
+            }
+        }
+    }
+    wg_wait<0>();
+    keep4(c);
+    if (q == 0) {
+        float* o = out + (size_t)slot * rows + tile * 16 + g;
+        atomicAdd(o, c[0] * post);
+        atomicAdd(o + 8, c[2] * post);
+    }
 }

@@ -35,19 +35,27 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from probe_common import graph_us_per_launch, open_gpu, probe_parser, write_result  # noqa: E402
+
+from gptoss_max import mxfp4  # noqa: E402
 
 K = 2880
 NJ = K // 64  # block pairs per row
 SHAPES = {"gate_up": 5760, "down": 2880}
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
-ALGOS = ("blockscale", "lut")
-# (ALGO, KS, DEPTH, MINB, PIPE); blockscale's PIPE 1 is serialized by ptxas (C7514), lut's is not
+NB = K // 32  # blocks per row
+NBATCH = -(-NB // 4)  # bf16: batches of 4 blocks, one per lane of a quad
+ALGOS = ("blockscale", "lut", "bf16")
+KERNELS = ("expert_matvec", "expert_matvec", "bf16_matvec")
+# (ALGO, KS, DEPTH, MINB, PIPE); blockscale's PIPE 1 is serialized by ptxas (C7514), lut's and bf16's
+# are not; bf16 (101 registers) is serialized at 8 warpgroups per SM (C7512)
 VARIANTS = (
     (0, 3, 4, 4, 0), (0, 3, 2, 4, 0), (0, 3, 6, 4, 0), (0, 2, 4, 4, 0), (0, 5, 4, 6, 0), (0, 9, 2, 8, 0),
     (0, 3, 4, 4, 1), (1, 3, 4, 4, 1), (1, 3, 4, 4, 0), (1, 3, 2, 4, 1), (1, 2, 4, 4, 1), (1, 5, 4, 6, 1),
-    (1, 9, 2, 8, 1),
+    (1, 9, 2, 8, 1), (2, 3, 4, 4, 1), (2, 3, 4, 4, 0), (2, 3, 2, 4, 1), (2, 2, 4, 4, 1), (2, 4, 4, 4, 1),
+    (2, 6, 2, 4, 1),
 )  # fmt: skip
 LUT_MAX_D = 11  # lut: a block's scale at most this far above its row's smallest (e4m3 exponent 15)
 
@@ -82,6 +90,31 @@ def pack_lut(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndar
     lut_words = ((a & 7) << (4 * i)) | ((a >> 3) << (8 * i + 7)) | ((b & 7) << (16 + 4 * i)) | ((b >> 3) << (8 * i + 3))
     out = lut_words.sum(axis=-1, dtype=np.uint32).astype("<u4").view(np.uint8).reshape(packed.shape)
     return out, words, sref
+
+
+def splits_fit(algo: int, ks: int, depth: int) -> bool:
+    """Every K split of the variant holds at least DEPTH - 1 steps (the ring's first loads)."""
+    total = NBATCH if algo == 2 else NJ
+    per = -(-total // ks)
+    return total - (ks - 1) * per >= max(depth - 1, 1)
+
+
+def bf16_image(x: np.ndarray) -> np.ndarray:
+    """x for ALGO 2 (bf16): per batch b and k16 step t, B's K-major 8 x 8-element core matrices
+    (256 B), column 0 = x in the decode order of lane q's block 4 b + q: logical k = 2 q + h is
+    element 4 t + h of that block, k = 8 + 2 q + h element 4 t + 2 + h (zero past the last block)."""
+    img = np.zeros((NBATCH, 8, 2, 8, 8), dtype=np.float32)  # b, t, core (k 0-7, 8-15), n, k
+    for b in range(NBATCH):
+        for q in range(4):
+            blk = 4 * b + q
+            if blk >= NB:
+                continue
+            for t in range(8):
+                for h in range(2):
+                    img[b, t, 0, 0, 2 * q + h] = x[32 * blk + 4 * t + h]
+                    img[b, t, 1, 0, 2 * q + h] = x[32 * blk + 4 * t + 2 + h]
+    bits = (img.reshape(-1).view(np.uint32) >> 16).astype(np.uint16)  # x is bf16: exact
+    return bits.view(np.uint8)
 
 
 def reference(codes: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -120,7 +153,7 @@ class Stack:
         for s in range(sets):  # hashed words (random-like bytes), a stack at a time
             words = self.wq[s * self.wbytes : (s + 1) * self.wbytes].view(cp.uint32)
             words[:] = (cp.arange(words.size, dtype=cp.uint32) + np.uint32(s * 7919)) * np.uint32(2654435761)
-        self.layouts: dict[int, list] = {0: [], 1: []}
+        self.layouts: dict[int, list] = {0: [], 1: [], 2: []}
         refs = []
         for e in self.CHECKED:
             codes = rng.integers(0, 16, (rows, K), dtype=np.uint8)
@@ -128,6 +161,8 @@ class Stack:
             self.layouts[0].append(pack(codes, scales))
             packed_lut, words, sref = pack_lut(codes, scales)
             self.layouts[1].append((packed_lut, words))
+            ckpt = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(1, rows, NB, 16)
+            self.layouts[2].append(mxfp4.tile_for_op(ckpt, scales[None]))  # the op's own layout
             self.sref[e * rows : (e + 1) * rows] = cp.asarray(sref)
             refs.append(reference(codes, scales, x))
         self.ref = np.stack(refs)
@@ -164,51 +199,54 @@ def main(argv: list[str] | None = None) -> int:
     source = Path(__file__).with_suffix(".cu").read_text()
     mods: dict = {}
 
-    def kernel(**defs):
+    def kernel(fn: str, **defs):
         key = tuple(sorted(defs.items()))
         if key not in mods:
             opts = tuple(f"-D{k}={v}" for k, v in defs.items()) + ("-arch=sm_90a", "-std=c++17")
-            mods[key] = cp.RawModule(code=source, options=opts).get_function("expert_matvec")
-        return mods[key]
+            mods[key] = cp.RawModule(code=source, options=opts)
+        return mods[key].get_function(fn)
 
     rng = np.random.default_rng(0)
     x = torch.tensor(rng.standard_normal(K).astype(np.float32)).to(torch.bfloat16).float().numpy()  # bf16, as h
     img, post = activation_image(x, torch)
-    bimg = cp.asarray(img)
+    images = {0: (cp.asarray(img), post), 1: (cp.asarray(img), post), 2: (cp.asarray(bf16_image(x)), 1.0)}
     rows_out = []
     for shape, rows in SHAPES.items():
         stack = Stack(cp, rows, args.sets, x, rng)
         total = 4 * (rows * K // 2 + rows * K // 32)
         for algo, ks, depth, minb, pipe in VARIANTS:
-            if -(-NJ // ks) < depth - 1:
+            if not splits_fit(algo, ks, depth):
                 continue
             stack.load_checked(algo)
+            bimg, post = images[algo]
+            twins = (algo == 0 and pipe == 0) or (algo > 0 and pipe == 1 and depth == 4)  # once per structure
             grid = (stack.groups * ks, 4)
             row: dict = {"shape": shape, "algo": ALGOS[algo], "ks": ks, "depth": depth, "minb": minb, "pipe": pipe}
             row["bytes"] = total
             for mode, label in ((0, "matvec"), (1, "loads_only"), (2, "math_only")):
-                if mode and (pipe != algo or algo and depth != 4):  # the twins once per structure
+                if mode and not twins:
                     continue
-                k = kernel(ALGO=algo, KS=ks, DEPTH=depth, MINB=minb, PIPE=pipe, MODE=mode)
+                k = kernel(KERNELS[algo], ALGO=algo, KS=ks, DEPTH=depth, MINB=minb, PIPE=pipe, MODE=mode)
                 if mode == 0:
                     stack.out[:] = 0
                     k(grid, (128,), stack.args(bimg, post, None))
                     got = cp.asnumpy(stack.out).reshape(4, rows).astype(np.float64)
                     row["rel_err"] = float(np.linalg.norm(got - stack.ref) / np.linalg.norm(stack.ref))
                     row["nan"] = bool(np.isnan(got).any())
+                chain = [stack.args(bimg, post, i) for i in range(len(stack.chain))]
                 us = graph_us_per_launch(
-                    cp, lambda i, k=k, g=grid, st=stack: k(g, (128,), st.args(bimg, post, i)), 3, args.chain, args.reps
+                    cp, lambda i, k=k, g=grid, c=chain: k(g, (128,), c[i % len(c)]), 3, args.chain, args.reps
                 )
                 row[label + "_us"] = round(us, 2)
             row["tb_s"] = round(total / (row["matvec_us"] * 1e-6) / 1e12, 3)
             row["frac_of_copy"] = round(row["tb_s"] / copy_tb_s, 3)
             rows_out.append(row)
-            twins = "".join(
+            parts = "".join(
                 f"  {k[:-3].replace('_', ' ')} {row[k]:7.2f}" for k in ("loads_only_us", "math_only_us") if k in row
             )
             print(
                 f"{shape:8s} {ALGOS[algo]:10s} KS{ks} D{depth} M{minb} P{pipe}: matvec {row['matvec_us']:7.2f} us "
-                f"({row['frac_of_copy']:.2f} of copy, rel err {row['rel_err']:.2e}){twins}",
+                f"({row['frac_of_copy']:.2f} of copy, rel err {row['rel_err']:.2e}){parts}",
                 flush=True,
             )
         del stack

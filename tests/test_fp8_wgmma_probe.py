@@ -163,15 +163,76 @@ def test_stack_loads_the_checked_experts_in_either_layout():
     stack = probe.Stack(np, 64, 1, x, rng)
     per_w = stack.wbytes // stack.EXPERTS
     per_s = stack.sbytes // stack.EXPERTS
-    for algo in (0, 1):
+    for algo in (0, 1, 2):
         stack.load_checked(algo)
-        for slot, e in enumerate(stack.CHECKED):
-            packed = stack.wq[e * per_w : (e + 1) * per_w].reshape(1, probe.NJ, 128, 16)
+        for slot, e in enumerate(stack.CHECKED[: 1 if algo == 2 else None]):  # bf16's replay is slow
+            packed = stack.wq[e * per_w : (e + 1) * per_w]
             words = stack.sq[e * per_s : (e + 1) * per_s]
             if algo == 0:
-                got = _replay_blockscale(packed, words, img, post, 64)
+                got = _replay_blockscale(packed.reshape(1, probe.NJ, 128, 16), words, img, post, 64)
+            elif algo == 1:
+                sref = stack.sref[e * 64 : (e + 1) * 64]
+                got = _replay_lut(packed.reshape(1, probe.NJ, 128, 16), words, sref, img, post, 64)
             else:
-                got = _replay_lut(packed, words, stack.sref[e * 64 : (e + 1) * 64], img, post, 64)
+                got = _replay_bf16(packed, words, probe.bf16_image(x), 64)
             assert _rel(got, stack.ref[slot]) < 1e-6
     args = stack.args(img, post, 3)
     assert len(args) == 9 and args[3] is stack.sref and args[5] == 1
+
+
+def _rotr(w, r):
+    return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF if r else w
+
+
+def _slot_bits(w, c):  # fp8_wgmma_probe.cu's slot_bits
+    if c < 3:
+        return _rotr(w, 6 * c) & 0x81C081C0
+    return (_rotr(w, 10) & 0x00400040) | (_rotr(w, 2) & 0x81808180)
+
+
+def _bf16_pair(bits):
+    """u32 bf16 pairs -> (..., 2) float64, low half first."""
+    halves = np.stack([bits & 0xFFFF, bits >> 16], axis=-1).astype(np.uint32) << 16
+    return halves.view(np.float32).astype(np.float64)
+
+
+def _replay_bf16(blocks, scales, img, rows):
+    """bf16_matvec for one expert from the op's tiled bytes: lane (g, q) of warp w decodes block
+    4 b + q of its tile's rows g, g + 8 (clamped past the last), pairs 2t and 2t + 1 per k16 step,
+    each scaled by 2^(s - 1), against the image's column 0 of that batch and step."""
+    words = blocks.reshape(-1).view("<u4").astype(np.uint64)
+    b_img = torch.from_numpy(img.view(np.uint16).astype(np.int32) << 16).view(torch.float32).double().numpy()
+    b_img = b_img.reshape(probe.NBATCH, 8, 2, 8, 8)[:, :, :, 0, :].reshape(probe.NBATCH, 8, 16)  # (b, t, k)
+    out = np.zeros(rows)
+    for r in range(rows):
+        for b in range(probe.NBATCH):
+            for q in range(4):
+                blk = min(4 * b + q, probe.NB - 1)
+                off = (r >> 4) * probe.NB * 256 + (blk >> 1) * 512 + (r & 15) * 32 + (blk & 1) * 16
+                s = scales.reshape(-1)[(r >> 4) * probe.NB * 16 + (blk >> 1) * 32 + (r & 15) * 2 + (blk & 1)]
+                w = words[off // 4 : off // 4 + 4]
+                for t in range(8):
+                    for p, dk in ((2 * t, 0), (2 * t + 1, 8)):
+                        vals = _bf16_pair(np.array([_slot_bits(int(w[p & 3]), p >> 2)], dtype=np.uint64))[0]
+                        vals = vals * 2.0 ** (int(s) - 1)
+                        out[r] += vals @ b_img[b, t, dk + 2 * q : dk + 2 * q + 2]
+    return out
+
+
+def test_bf16_replay_on_the_op_layout_matches_the_mxfp4_reference():
+    rows = 16
+    codes, scales, x = _case(rows=rows, spread=(100, 128))
+    ckpt = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(1, rows, probe.NB, 16)
+    blocks, tscales = probe.mxfp4.tile_for_op(ckpt, scales[None])
+    img = probe.bf16_image(x)
+    assert img.nbytes == probe.NBATCH * 8 * 256
+    ref = probe.reference(codes, scales, x)
+    assert _rel(_replay_bf16(blocks, tscales, img, rows), ref) < 1e-6
+    # the untiled checkpoint bytes read as the op's layout are wrong
+    assert _rel(_replay_bf16(ckpt, scales[None], img, rows), ref) > 0.1
+
+
+def test_variants_fit_their_splits():
+    for algo, ks, depth, _minb, _pipe in probe.VARIANTS:
+        assert probe.splits_fit(algo, ks, depth), (algo, ks, depth)
+    assert not probe.splits_fit(2, 9, 2)  # 23 batches in 9 splits of 3 leave the last one empty
