@@ -7,7 +7,9 @@ decodes MXFP4 nibbles straight into e4m3 A registers of `wgmma m64n8k32` (~2 ins
 in its SASS loop, against ~3.5 in the Mojo decode kernels) and takes the activation as two e4m3 parts.
 Two algorithms: `blockscale` applies each block's E8M0 scale to its k32 result; `lut` puts the
 scale into the e4m3 exponent through a per-block byte table (prmt), so the wgmmas accumulate over
-all of K without waiting (a row's scales must lie within 11 of each other). It is a CUDA C kernel run through CuPy,
+all of K without waiting (a row's scales must lie within 11 of each other). A third, `bf16`, keeps
+the op's own layout and bf16 decode and only swaps mma.sync for wgmma m64n8k16 bf16 with x in
+shared memory: the smallest change to the Mojo kernels, if it is fast enough. It is a CUDA C kernel run through CuPy,
 checked against a float64 reference of the same MXFP4 weights, and timed like `gpu_mem_probe.py`:
 a replayed CUDA graph of launches, each on 4 random experts of one of several 120b-sized stacks
 (beyond L2).
