@@ -54,9 +54,10 @@ def deterministic() -> bool:
     return _choice("GPTOSS_MAX_DETERMINISTIC", "off", "off", "on") == "on"
 
 
-# MAX's debug switch for `device_sync_mode`, parsed once, when `max.engine` is imported (tested in
-# test_maxapi.py). Setting `InferenceSession.debug.device_sync_mode` later, where the model is built,
-# did not make an H200 run repeat (bench/NOTES.md, "Greedy repeatability, sixth session").
+# MAX's debug switch for `device_sync_mode`, parsed once, when `max.engine` is imported (a fresh
+# process checks it in test_deterministic.py). A touchpoint with MAX kept here, not in maxapi, since it
+# must act before MAX is imported. Setting `InferenceSession.debug.device_sync_mode` later, where the
+# model is built, did not make an H200 run repeat (bench/NOTES.md, "Greedy repeatability, sixth session").
 MODULAR_DEBUG_ENV = "MODULAR_DEBUG"
 DEVICE_SYNC_DEBUG = "device-sync-mode"
 
