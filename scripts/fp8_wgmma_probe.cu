@@ -327,6 +327,18 @@ __device__ __forceinline__ unsigned char ld_u8(const unsigned char* p) {
     return (unsigned char)v;
 }
 
+// batch b's loads for lane q: block 4 b + q (clamped to the last) of rows g (wrow, srow) and g + 8
+// (+ 256 B, + 16 B) in the op's tiled layout (tiled_block_offset / tiled_scale_offset), with its scales
+__device__ __forceinline__ void load_batch(const char* wrow, const unsigned char* srow, int b, int q, uint4& v,
+                                           uint4& v8, u32& s, u32& s8) {
+    const int blk = min(4 * b + q, NB - 1);
+    const int off = (blk >> 1) * 512 + (blk & 1) * 16, soff = (blk >> 1) * 32 + (blk & 1);
+    v = ld_na(wrow + off);
+    v8 = ld_na(wrow + off + 256);
+    s = ld_u8(srow + soff);
+    s8 = ld_u8(srow + soff + 16);
+}
+
 // grid and arguments as expert_matvec (sref unused); wq / sq: the op's tiled blocks and scales
 extern "C" __global__ void __launch_bounds__(128, MINB)
 bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, const uint4* __restrict__ bimg,
@@ -349,11 +361,9 @@ bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, 
         u32 s[DEPTH];
 #pragma unroll
         for (int u = 0; u < DEPTH; u++) {  // DEPTH batches' loads in flight, then their fold
-            const int blk = min(4 * (b0 + min(bb0 + u, n - 1)) + q, NB - 1);
-            const int off = (blk >> 1) * 512 + (blk & 1) * 16 + (fold & z);
-            v[u] = ld_na(wrow + off);
-            v8[u] = ld_na(wrow + off + 256);
-            s[u] = ld_u8(srow + (blk >> 1) * 32 + (blk & 1)) ^ ((u32)ld_u8(srow + (blk >> 1) * 32 + (blk & 1) + 16) << 8);
+            u32 s8;
+            load_batch(wrow + (fold & z), srow, b0 + min(bb0 + u, n - 1), q, v[u], v8[u], s[u], s8);
+            s[u] ^= s8 << 8;
         }
 #pragma unroll
         for (int u = 0; u < DEPTH; u++) fold ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w ^ v8[u].x ^ v8[u].y ^ v8[u].z ^ v8[u].w ^ s[u];
@@ -370,13 +380,7 @@ bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, 
     uint4 rg_[DEPTH], rg8[DEPTH];
     u32 sg[DEPTH], sg8[DEPTH];
 #pragma unroll
-    for (int i = 0; i < DEPTH - 1; i++) {
-        const int blk = min(4 * (b0 + i) + q, NB - 1), off = (blk >> 1) * 512 + (blk & 1) * 16;
-        rg_[i] = ld_na(wrow + off);
-        rg8[i] = ld_na(wrow + off + 256);
-        sg[i] = ld_u8(srow + (blk >> 1) * 32 + (blk & 1));
-        sg8[i] = ld_u8(srow + (blk >> 1) * 32 + (blk & 1) + 16);
-    }
+    for (int i = 0; i < DEPTH - 1; i++) load_batch(wrow, srow, b0 + i, q, rg_[i], rg8[i], sg[i], sg8[i]);
 #endif
 #pragma unroll 1
     for (int bb0 = 0; bb0 < n; bb0 += DEPTH) {
@@ -386,13 +390,8 @@ bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, 
             if (bb < n) {  // uniform across the warpgroup
 #if MODE == 0
                 if (bb + DEPTH - 1 < n) {
-                    const int blk = min(4 * (b0 + bb + DEPTH - 1) + q, NB - 1);
-                    const int off = (blk >> 1) * 512 + (blk & 1) * 16, soff = (blk >> 1) * 32 + (blk & 1);
                     const int r = (u + DEPTH - 1) % DEPTH;
-                    rg_[r] = ld_na(wrow + off);
-                    rg8[r] = ld_na(wrow + off + 256);
-                    sg[r] = ld_u8(srow + soff);
-                    sg8[r] = ld_u8(srow + soff + 16);
+                    load_batch(wrow, srow, b0 + bb + DEPTH - 1, q, rg_[r], rg8[r], sg[r], sg8[r]);
                 }
                 const uint4 vg = rg_[u], vg8 = rg8[u];
                 const u32 mg = ((sg[u] + 126u) << 7) * 0x00010001u, mg8 = ((sg8[u] + 126u) << 7) * 0x00010001u;
