@@ -236,14 +236,15 @@ def test_linear_weight_bias_of_linear_and_stacked_linear() -> None:
         assert [int(d) for d in TensorValue(b).shape] == [16]
 
 
-def test_enable_device_sync_sets_max_debug_flag():
-    """`--deterministic` relies on MAX's process-wide DebugConfig.device_sync_mode."""
+def test_device_sync_enabled_reads_max_debug_flag():
+    """`--deterministic` relies on MAX's process-wide DebugConfig.device_sync_mode (set at import
+    from MODULAR_DEBUG: test_deterministic.py)."""
     from max.engine import InferenceSession
 
     before = InferenceSession.debug.device_sync_mode
     try:
-        InferenceSession.debug.device_sync_mode = False
-        maxapi.enable_device_sync()
-        assert InferenceSession.debug.device_sync_mode is True
+        for value in (False, True):
+            InferenceSession.debug.device_sync_mode = value
+            assert maxapi.device_sync_enabled() is value
     finally:
         InferenceSession.debug.device_sync_mode = before

@@ -56,16 +56,15 @@ MEMORY_MANAGER_SIZE_ENV = "MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT"
 MEMORY_MANAGER_DEFAULT_SHARE = 0.9
 
 
-def enable_device_sync() -> None:
+def device_sync_enabled() -> bool:
     """MAX's `device_sync_mode` flag for this process (`InferenceSession.debug`, a process-wide
     singleton): every device op waits for the one before it, so no two run at once. What
-    `GPTOSS_MAX_DETERMINISTIC=on` (settings.deterministic) relies on. Set this way where the model
-    is built, after the session exists, it did not make an H200 run repeat; what did is
-    `MODULAR_DEBUG=device-sync-mode`, which MAX parses once, at import (settings.export_device_sync).
-    This call only keeps the flag on for a process that imported MAX before us."""
+    `GPTOSS_MAX_DETERMINISTIC=on` (settings.deterministic) relies on. It holds only when MAX read
+    `MODULAR_DEBUG=device-sync-mode` at import (settings.export_device_sync): set on the flag where
+    the model is built, after the session exists, it did not make an H200 run repeat."""
     from max.engine import InferenceSession
 
-    InferenceSession.debug.device_sync_mode = True
+    return bool(InferenceSession.debug.device_sync_mode)
 
 
 def memory_manager_share() -> float:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from typing import Any, ClassVar
 
@@ -125,11 +124,10 @@ class NativeGptOssModel(maxapi.GptOssModel):
 
     def graph_specs(self, model_config: NativeGptOssConfig) -> dict[str, maxapi.GraphSpec]:
         if settings.deterministic():
-            maxapi.enable_device_sync()
             _log.info("GPTOSS_MAX_DETERMINISTIC=on: MAX's device_sync_mode, our attention for every step")
-            if settings.DEVICE_SYNC_DEBUG not in os.environ.get(settings.MODULAR_DEBUG_ENV, ""):
-                _log.warning("MAX was imported before gptoss_max, without MODULAR_DEBUG=%s: device_sync_mode "
-                             "was set late and may not hold (settings.export_device_sync)",
+            if not maxapi.device_sync_enabled():
+                _log.warning("MAX's device_sync_mode is off: MAX was imported before gptoss_max could set "
+                             "MODULAR_DEBUG=%s, and setting it late does not hold (settings.export_device_sync)",
                              settings.DEVICE_SYNC_DEBUG)  # fmt: skip
         nn_model = NativeGptOss(model_config)
         nn_model.load_state_dict(self._language_weights_dict, weight_alignment=1, strict=True)
