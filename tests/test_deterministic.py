@@ -13,7 +13,7 @@ import pytest
 
 from gptoss_max import settings
 
-_AT_IMPORT = os.environ.get("GPTOSS_MAX_DETERMINISTIC")
+_AT_IMPORT = {name: os.environ.get(name) for name in ("GPTOSS_MAX_DETERMINISTIC", settings.MODULAR_DEBUG_ENV)}
 
 
 def test_default_is_off_and_hybrid(monkeypatch):
@@ -69,6 +69,7 @@ def test_cli_refuses_conflicts_before_loading(monkeypatch, capsys, argv, env, me
     from gptoss_max.cli import main
 
     monkeypatch.setenv("GPTOSS_MAX_DETERMINISTIC", "off")  # recorded, so main()'s `on` is undone after
+    monkeypatch.setenv(settings.MODULAR_DEBUG_ENV, os.environ.get(settings.MODULAR_DEBUG_ENV, ""))  # and its export
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exit_info:
@@ -81,10 +82,9 @@ def test_cli_refuses_conflicts_before_loading(monkeypatch, capsys, argv, env, me
                                                 ("device-sync-mode", "device-sync-mode")])  # fmt: skip
 def test_export_device_sync_adds_max_s_switch_once(monkeypatch, before, after):
     monkeypatch.setenv("GPTOSS_MAX_DETERMINISTIC", "on")
+    monkeypatch.setenv(settings.MODULAR_DEBUG_ENV, before or "")  # recorded, so the export is undone after
     if before is None:
-        monkeypatch.delenv(settings.MODULAR_DEBUG_ENV, raising=False)
-    else:
-        monkeypatch.setenv(settings.MODULAR_DEBUG_ENV, before)
+        monkeypatch.delenv(settings.MODULAR_DEBUG_ENV)
     settings.export_device_sync()
     settings.export_device_sync()
     assert os.environ[settings.MODULAR_DEBUG_ENV] == after
@@ -125,4 +125,5 @@ def test_help_describes_it(capsys):
 
 
 def test_cli_conflicts_left_the_environment_alone():
-    assert os.environ.get("GPTOSS_MAX_DETERMINISTIC") == _AT_IMPORT
+    """main(--deterministic) sets both in os.environ; later tests' MAX processes must not inherit them."""
+    assert {name: os.environ.get(name) for name in _AT_IMPORT} == _AT_IMPORT
