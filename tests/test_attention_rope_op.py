@@ -344,10 +344,11 @@ def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
     fills = ("zeros", "leftovers", "nan", "zeros_again")
     runs: dict[int, dict[str, list[np.ndarray]]] = {i: {} for i in range(len(STALE_CASES))}
     used_before: dict[int, list[np.ndarray]] = {i: [] for i in range(len(STALE_CASES))}
+    steps: dict[int, Step] = {}  # each case's step (same geometry and seed in every fill), for the report
     for fill in fills:
         for i, (shape, cached, new) in enumerate(STALE_CASES):
             device, model = _model(kind, shape, core=core)
-            step = Step(shape, cached, new, seed=11 + i)
+            step = steps[i] = Step(shape, cached, new, seed=11 + i)
             unused = _unused_slots(step)
             rnd = reference.round_to_bf16 if shape.bf16 else (lambda a: a.astype(np.float32))
             stale = {"zeros": 0.0, "zeros_again": 0.0, "nan": np.nan}.get(fill)
@@ -368,11 +369,10 @@ def test_attention_ignores_stale_cache_slots(kind: str, core: str) -> None:
             if fill != "zeros"
         }
         differ = {fill: js for fill, js in differ.items() if js}
-        step = Step(shape, cached, new, seed=11 + i)
         report(
             "attention stale slots",
             f"{kind} {core} {shape.name} cached {cached} new {new}: outputs that differ {differ}"
-            + "".join(f"; {fill}: {_how_far([runs[i]['zeros'], runs[i][fill]], step)}" for fill in differ),
+            + "".join(f"; {fill}: {_how_far([runs[i]['zeros'], runs[i][fill]], steps[i])}" for fill in differ),
         )
         if differ:
             failures.append((shape.name, cached, new, differ))
