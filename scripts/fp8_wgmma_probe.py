@@ -145,7 +145,7 @@ class Stack:
     EXPERTS = 128
     CHECKED = (3, 50, 77, 120)
 
-    def __init__(self, cp, rows: int, sets: int, x: np.ndarray, rng: np.random.Generator):
+    def __init__(self, cp, rows: int, sets: int, chain: int, x: np.ndarray, rng: np.random.Generator):
         self.cp, self.rows, self.groups = cp, rows, rows // 64
         self.wbytes = self.EXPERTS * self.groups * NJ * 128 * 16  # a stack's packed blocks
         self.sbytes = self.EXPERTS * self.groups * NJ * 32 * 4  # and its scale words
@@ -171,7 +171,7 @@ class Stack:
         self.checked = cp.asarray(np.array(self.CHECKED, dtype=np.int32))
         self.chain = [
             (int(rng.integers(sets)), cp.asarray(rng.choice(self.EXPERTS, 4, replace=False).astype(np.int32)))
-            for _ in range(20)
+            for _ in range(chain)
         ]
         self.out = cp.zeros(4 * rows, dtype=cp.float32)
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     images = {0: (cp.asarray(img), post), 1: (cp.asarray(img), post), 2: (cp.asarray(bf16_image(x)), 1.0)}
     rows_out = []
     for shape, rows in SHAPES.items():
-        stack = Stack(cp, rows, args.sets, x, rng)
+        stack = Stack(cp, rows, args.sets, args.chain, x, rng)
         total = 4 * (rows * K // 2 + rows * K // 32)
         for algo, ks, depth, minb, pipe in VARIANTS:
             if not splits_fit(algo, ks, depth):

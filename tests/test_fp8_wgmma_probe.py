@@ -160,7 +160,7 @@ def test_stack_loads_the_checked_experts_in_either_layout():
     rng = np.random.default_rng(0)
     _, _, x = _case()
     img, post = probe.activation_image(x, torch)
-    stack = probe.Stack(np, 64, 1, x, rng)
+    stack = probe.Stack(np, 64, 1, 20, x, rng)
     per_w = stack.wbytes // stack.EXPERTS
     per_s = stack.sbytes // stack.EXPERTS
     for algo in (0, 1, 2):
