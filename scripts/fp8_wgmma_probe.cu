@@ -193,7 +193,7 @@ expert_matvec(const uint4* __restrict__ wq, const u32* __restrict__ sq, const ui
     const uint4* pw = wp + (DEPTH - 1) * 128;  // the next load's address, advanced by one pair a step
     const u32* ps = sp + (DEPTH - 1) * 32;
 #endif
-#if ALGO == 0 && PIPE != 0
+#if ALGO != 1 && PIPE != 0  // also when ALGO 2 compiles this kernel alongside its own
     u32 s_prev = 0;
 #endif
 #if ALGO == 1
