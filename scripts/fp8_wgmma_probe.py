@@ -30,6 +30,7 @@ Writes <out>/fp8_wgmma_probe_<gpu>_<yyyymmdd>.json.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -192,8 +193,22 @@ class Stack:
         return (wq, sq, bimg, self.sref, experts, np.int32(self.groups), self.out, np.float32(post), np.uint32(0))
 
 
+def variant_spec(text: str) -> tuple[int, int, int, int, int]:
+    """`--only`'s ALGO:KS:DEPTH:MINB:PIPE (ALGO by name) as a VARIANTS entry."""
+    parts = text.split(":")
+    if len(parts) != 5 or parts[0] not in ALGOS or not all(p.isdigit() for p in parts[1:]):
+        raise argparse.ArgumentTypeError(f"not ALGO:KS:DEPTH:MINB:PIPE with ALGO in {ALGOS}: {text!r}")
+    v = (ALGOS.index(parts[0]), *(int(p) for p in parts[1:]))
+    if v not in VARIANTS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of the probe's variants")
+    return v  # type: ignore[return-value]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = probe_parser(__doc__, "sets", 6, "stacks of 128 experts per shape (beyond L2)").parse_args(argv)
+    ap = probe_parser(__doc__, "sets", 6, "stacks of 128 experts per shape (beyond L2)")
+    ap.add_argument("--only", action="append", type=variant_spec, metavar="ALGO:KS:DEPTH:MINB:PIPE",
+                    help="run only this variant (repeatable), e.g. bf16:6:2:4:1 (for ncu)")  # fmt: skip
+    args = ap.parse_args(argv)
     gpu = open_gpu()
     if gpu is None:
         return 2
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(cp, rows, args.sets, args.chain, x, rng)
         total = 4 * (rows * K // 2 + rows * K // 32)
         for algo, ks, depth, minb, pipe in VARIANTS:
-            if not splits_fit(algo, ks, depth):
+            if not splits_fit(algo, ks, depth) or (args.only and (algo, ks, depth, minb, pipe) not in args.only):
                 continue
             stack.load_checked(algo)
             bimg, post = images[algo]

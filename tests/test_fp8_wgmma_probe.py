@@ -236,3 +236,11 @@ def test_variants_fit_their_splits():
     for algo, ks, depth, _minb, _pipe in probe.VARIANTS:
         assert probe.splits_fit(algo, ks, depth), (algo, ks, depth)
     assert not probe.splits_fit(2, 9, 2)  # 23 batches in 9 splits of 3 leave the last one empty
+
+
+def test_only_names_one_of_the_variants():
+    assert probe.variant_spec("bf16:6:2:4:1") == (2, 6, 2, 4, 1)
+    assert probe.variant_spec("blockscale:9:2:8:0") == (0, 9, 2, 8, 0)
+    for bad in ("bf16:6:2:4", "fp4:6:2:4:1", "bf16:7:2:4:1", "bf16:x:2:4:1"):
+        with pytest.raises(probe.argparse.ArgumentTypeError):
+            probe.variant_spec(bad)
