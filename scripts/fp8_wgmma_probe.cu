@@ -321,6 +321,22 @@ __device__ __forceinline__ void wgmma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
 
+// mma.sync m16n8k16 per warp (MMA 1): the same A registers as the wgmma's, B from two 32-bit words
+__device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#ifndef MMA
+#define MMA 0
+#endif
+#ifndef EPI  // bf16, splits across blocks: 0 atomics into the output, 1 or 2 a last-block sum (below)
+#define EPI 0
+#endif
+
 __device__ __forceinline__ unsigned char ld_u8(const unsigned char* p) {
     unsigned short v;
     asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
@@ -339,14 +355,38 @@ __device__ __forceinline__ void load_batch(const char* wrow, const unsigned char
     s8 = ld_u8(srow + soff + 16);
 }
 
+// INBLK 1: the KS splits of a row group are KS warpgroups of one block (as the product kernels
+// split K) instead of KS blocks; they meet in shared memory and warpgroup 0 stores the rows (no
+// atomics). MINB then counts blocks of KS warpgroups: the launch bound is MINB / KS of them.
+// INBLK 2: the same, but each warpgroup waits only for its own part of the image to be staged
+// (a named barrier of 128 threads), so the warpgroups start apart and meet only at the end.
+// MMA 1: each warp runs mma.sync m16n8k16 on its 16 rows instead of the warpgroup's wgmma, with the
+// same A registers and B read from the same image (the product kernels' instruction).
+#ifndef INBLK
+#define INBLK 0
+#endif
+#if INBLK
+#define BF16_THREADS (128 * KS)
+#define BF16_MINB (MINB / KS > 0 ? MINB / KS : 1)
+#define BS_BATCHES NBATCH
+#else
+#define BF16_THREADS 128
+#define BF16_MINB MINB
+#define BS_BATCHES BPER
+#endif
+
 // grid and arguments as expert_matvec (sref unused); wq / sq: the op's tiled blocks and scales
-extern "C" __global__ void __launch_bounds__(128, MINB)
+extern "C" __global__ void __launch_bounds__(BF16_THREADS, BF16_MINB)
 bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, const uint4* __restrict__ bimg,
             const unsigned char* __restrict__ sref, const int* __restrict__ experts, int row_groups,
             float* __restrict__ out, float post, u32 z) {
-    __shared__ __align__(128) uint4 bs[BPER * 128];  // per batch: 8 k16 steps x 256 B
-    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    __shared__ __align__(128) uint4 bs_all[BS_BATCHES * 128];  // per batch: 8 k16 steps x 256 B
+    const int tid = threadIdx.x & 127, w = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+#if INBLK
+    const int rg = blockIdx.x, ks = threadIdx.x >> 7;
+#else
     const int rg = blockIdx.x / KS, ks = blockIdx.x % KS;
+#endif
     const int slot = blockIdx.y, e = experts[slot];
     const int rows = row_groups * 64, tile = rg * 4 + w;
     const int b0 = ks * BPER, n = min(NBATCH, b0 + BPER) - b0;
@@ -371,9 +411,14 @@ bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, 
     if (fold == 0x9E3779B9u) out[0] = (float)fold;
     return;
 #endif
+    uint4* bs = bs_all + (INBLK ? b0 * 128 : 0);  // this split's batches
     for (int i = tid; i < n * 128; i += 128) bs[i] = bimg[b0 * 128 + i];
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#if INBLK == 2
+    asm volatile("bar.sync %0, 128;" ::"r"(ks + 1) : "memory");  // this warpgroup's own part only
+#else
     __syncthreads();
+#endif
     const u64 desc0 = bdesc(smem_addr(bs));  // + 16 per k16 step (256 B >> 4), + 128 per batch
     float c[4] = {0.f, 0.f, 0.f, 0.f};
 #if MODE == 0
@@ -400,6 +445,19 @@ bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, 
                 const uint4 vg = make_uint4(h, h * 3u, h * 5u, h * 7u), vg8 = make_uint4(h * 9u, h * 11u, h * 13u, h);
                 const u32 mg = (((121u ^ (h & z)) + 126u) << 7) * 0x00010001u, mg8 = mg;
 #endif
+#if MMA
+                // B fragment of lane (g, q): k 2q, 2q + 1 (core matrix 0) and k 2q + 8, 2q + 9 (core
+                // matrix 1, + 128 B) of column g: the image's row g, zero for g > 0
+                const u32* xb = reinterpret_cast<const u32*>(bs + bb * 128) + 4 * g + q;
+#pragma unroll
+                for (int t = 0; t < 8; t++) {
+                    const int p0 = 2 * t, p1 = 2 * t + 1;
+                    mma_bf16(c, bmul2(slot_bits(word_of(vg, p0 & 3), p0 >> 2), mg),
+                             bmul2(slot_bits(word_of(vg8, p0 & 3), p0 >> 2), mg8),
+                             bmul2(slot_bits(word_of(vg, p1 & 3), p1 >> 2), mg),
+                             bmul2(slot_bits(word_of(vg8, p1 & 3), p1 >> 2), mg8), xb[t * 64], xb[t * 64 + 32]);
+                }
+#else
                 const u64 db = desc0 + (u64)(bb * 128);
                 wg_fence();
 #pragma unroll
@@ -412,14 +470,68 @@ bf16_matvec(const uint4* __restrict__ wq, const unsigned char* __restrict__ sq, 
                 }
                 wg_commit();
                 wg_wait<PIPE>();
+#endif
             }
         }
     }
     wg_wait<0>();
     keep4(c);
+#if INBLK
+    // each warpgroup's pair of sums over its own image part, which its wgmmas no longer read (a
+    // static buffer beside the image would pass the 48 KB of static shared memory)
+    float2* red = reinterpret_cast<float2*>(bs);
+    red[tid] = make_float2(c[0], c[2]);
+    __syncthreads();
+    if (ks == 0 && q == 0) {
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int j = 0; j < KS; j++) {  // a fixed order
+            const float2 r = reinterpret_cast<const float2*>(bs_all + j * BPER * 128)[tid];
+            a += r.x;
+            b += r.y;
+        }
+        float* o = out + (size_t)slot * rows + tile * 16 + g;
+        o[0] = a * post;
+        o[8] = b * post;
+    }
+#elif EPI
+    // The product's way to sum K splits deterministically (the multi-token down's): each block
+    // stores its partial rows, the last block of the row group to count in sums them in a fixed
+    // order and resets the counter. `sref` carries the scratch: counters [4][row_groups], then
+    // partials [4][KS][rows] f32.
+    u32* cnt = const_cast<u32*>(reinterpret_cast<const u32*>(sref)) + slot * row_groups + rg;
+    float* part = reinterpret_cast<float*>(const_cast<unsigned char*>(sref)) + 4 * row_groups;
+    const int row = tile * 16 + g;
+    if (q == 0) {
+        float* pp = part + ((size_t)slot * KS + ks) * rows + row;
+        pp[0] = c[0];
+        pp[8] = c[2];
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ u32 last;
+    if (threadIdx.x == 0) last = atomicAdd(cnt, 1u) == KS - 1;
+    __syncthreads();
+    if (last) {
+        if (q == 0) {
+            float a = 0.f, b = 0.f;
+#pragma unroll
+            for (int j = 0; j < KS; j++) {
+                const float* pp = part + ((size_t)slot * KS + j) * rows + row;
+                a += __ldcg(pp);
+                b += __ldcg(pp + 8);
+            }
+            float* o = out + (size_t)slot * rows + row;
+            o[0] = a * post;
+            o[8] = b * post;
+        }
+        if (threadIdx.x == 0) *cnt = 0;
+    }
+#else
     if (q == 0) {
         float* o = out + (size_t)slot * rows + tile * 16 + g;
         atomicAdd(o, c[0] * post);
         atomicAdd(o + 8, c[2] * post);
     }
+#endif
 }

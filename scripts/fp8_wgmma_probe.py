@@ -183,14 +183,16 @@ class Stack:
             self.wq[e * w : (e + 1) * w] = self.cp.asarray(packed.reshape(-1))
             self.sq[e * s : (e + 1) * s] = self.cp.asarray(words.reshape(-1))
 
-    def args(self, bimg, post: float, i: int | None):
-        """Kernel arguments: launch i of the timed chain, or (None) the checked experts."""
+    def args(self, bimg, post: float, i: int | None, scratch=None):
+        """Kernel arguments: launch i of the timed chain, or (None) the checked experts; `scratch`
+        (bf16 with a last-block sum) in place of the unused `sref`."""
         if i is None:
             wq, sq, experts = self.wq, self.sq, self.checked
         else:
             s, experts = self.chain[i % len(self.chain)]
             wq, sq = self.wq[s * self.wbytes :], self.sq[s * self.sbytes :]
-        return (wq, sq, bimg, self.sref, experts, np.int32(self.groups), self.out, np.float32(post), np.uint32(0))
+        sref = self.sref if scratch is None else scratch
+        return (wq, sq, bimg, sref, experts, np.int32(self.groups), self.out, np.float32(post), np.uint32(0))
 
 
 def variant_spec(text: str) -> tuple[int, int, int, int, int]:
@@ -208,6 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__, "sets", 6, "stacks of 128 experts per shape (beyond L2)")
     ap.add_argument("--only", action="append", type=variant_spec, metavar="ALGO:KS:DEPTH:MINB:PIPE",
                     help="run only this variant (repeatable), e.g. bf16:6:2:4:1 (for ncu)")  # fmt: skip
+    ap.add_argument("--inblock", type=int, choices=(0, 1, 2), default=0,
+                    help="bf16 only: 1 runs the KS splits as KS warpgroups of one block, met in shared "
+                         "memory (as the product kernels split K), instead of KS blocks with atomics; "
+                         "2 as 1, but each warpgroup starts once its own image part is staged")  # fmt: skip
+    ap.add_argument("--mma", action="store_true",
+                    help="bf16 only: each warp's mma.sync m16n8k16 (the product kernels' instruction) in "
+                         "place of the warpgroup's wgmma, same A registers, B from the same image")  # fmt: skip
+    ap.add_argument("--epi", type=int, choices=(0, 1, 2), default=0,
+                    help="bf16, splits across blocks: 0 sums them by float atomics into the output; 1 the "
+                         "last block of a row group sums the stored partials in a fixed order (counters "
+                         "reset by it); 2 as 1 with the counters zeroed by a memset before each launch")  # fmt: skip
     args = ap.parse_args(argv)
     gpu = open_gpu()
     if gpu is None:
@@ -234,26 +247,41 @@ def main(argv: list[str] | None = None) -> int:
         for algo, ks, depth, minb, pipe in VARIANTS:
             if not splits_fit(algo, ks, depth) or (args.only and (algo, ks, depth, minb, pipe) not in args.only):
                 continue
+            if (args.inblock or args.mma) and algo != 2:
+                continue
+            if args.epi and (algo != 2 or args.inblock):
+                continue
+            if args.inblock and ks > 4:
+                continue  # in-block splits: bf16 only, and blocks of at most 4 warpgroups (registers)
             stack.load_checked(algo)
             bimg, post = images[algo]
             twins = (algo == 0 and pipe == 0) or (algo > 0 and pipe == 1 and depth == 4)  # once per structure
-            grid = (stack.groups * ks, 4)
+            grid, block = ((stack.groups, 4), (128 * ks,)) if args.inblock else ((stack.groups * ks, 4), (128,))
             row: dict = {"shape": shape, "algo": ALGOS[algo], "ks": ks, "depth": depth, "minb": minb, "pipe": pipe}
+            row["inblock"], row["mma"], row["epi"] = args.inblock, args.mma, args.epi
+            scratch = cp.zeros(4 * stack.groups + 4 * ks * rows, dtype=cp.uint32) if args.epi else None
+            counters = 4 * stack.groups * 4  # bytes: the scratch's counters, which EPI 2 zeroes
             row["bytes"] = total
             for mode, label in ((0, "matvec"), (1, "loads_only"), (2, "math_only")):
                 if mode and not twins:
                     continue
-                k = kernel(KERNELS[algo], ALGO=algo, KS=ks, DEPTH=depth, MINB=minb, PIPE=pipe, MODE=mode)
+                defs = {"ALGO": algo, "KS": ks, "DEPTH": depth, "MINB": minb, "PIPE": pipe, "MODE": mode}
+                defs.update({"INBLK": args.inblock} if args.inblock else {}, **({"MMA": 1} if args.mma else {}))
+                k = kernel(KERNELS[algo], **defs, **({"EPI": args.epi} if args.epi else {}))
                 if mode == 0:
                     stack.out[:] = 0
-                    k(grid, (128,), stack.args(bimg, post, None))
+                    k(grid, block, stack.args(bimg, post, None, scratch))
                     got = cp.asnumpy(stack.out).reshape(4, rows).astype(np.float64)
                     row["rel_err"] = float(np.linalg.norm(got - stack.ref) / np.linalg.norm(stack.ref))
                     row["nan"] = bool(np.isnan(got).any())
-                chain = [stack.args(bimg, post, i) for i in range(len(stack.chain))]
-                us = graph_us_per_launch(
-                    cp, lambda i, k=k, g=grid, c=chain: k(g, (128,), c[i % len(c)]), 3, args.chain, args.reps
-                )
+                chain = [stack.args(bimg, post, i, scratch) for i in range(len(stack.chain))]
+
+                def launch(i, k=k, g=grid, b=block, c=chain, zero=scratch, n=counters):
+                    if args.epi == 2:
+                        cp.cuda.runtime.memsetAsync(zero.data.ptr, 0, n, cp.cuda.get_current_stream().ptr)
+                    k(g, b, c[i % len(c)])
+
+                us = graph_us_per_launch(cp, launch, 3, args.chain, args.reps)
                 row[label + "_us"] = round(us, 2)
             row["tb_s"] = round(total / (row["matvec_us"] * 1e-6) / 1e12, 3)
             row["frac_of_copy"] = round(row["tb_s"] / copy_tb_s, 3)
@@ -261,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             parts = "".join(
                 f"  {k[:-3].replace('_', ' ')} {row[k]:7.2f}" for k in ("loads_only_us", "math_only_us") if k in row
             )
+            split = f"KS{ks}{'i' * args.inblock}{'m' if args.mma else ''}{'e' * args.epi}"
             print(
-                f"{shape:8s} {ALGOS[algo]:10s} KS{ks} D{depth} M{minb} P{pipe}: matvec {row['matvec_us']:7.2f} us "
+                f"{shape:8s} {ALGOS[algo]:10s} {split} D{depth} M{minb} P{pipe}: matvec {row['matvec_us']:7.2f} us "
                 f"({row['frac_of_copy']:.2f} of copy, rel err {row['rel_err']:.2e}){parts}",
                 flush=True,
             )
