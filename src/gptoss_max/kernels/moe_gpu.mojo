@@ -62,6 +62,7 @@ from std.atomic import Atomic, Ordering
 from std.bit import pop_count, count_trailing_zeros
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
+from std.os import getenv
 from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
@@ -1341,7 +1342,10 @@ def launch_down[
     h rounded to bf16, as the rest of a bf16 graph does."""
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0 or inter > 32 * MAX_K_BLOCKS:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0, I <= 3072")
-    if tokens == 1 and top_k <= MAX_TOPK:
+    # GPTOSS_MAX_DOWN_ONE=0 gives a one-token step the few-token down_kernel instead: each routed
+    # expert's tile in its own block, summed by the tile's last block (bench/NOTES.md, "v23": the
+    # probe found K splits across blocks faster than inside one; not yet timed in the op).
+    if tokens == 1 and top_k <= MAX_TOPK and getenv("GPTOSS_MAX_DOWN_ONE", "1") != "0":
         ctx.enqueue_function[down_one_token_kernel[out_dtype]](
             output, h, ids, wts, blocks, scales, bias,
             Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
