@@ -729,27 +729,30 @@ def _lean_loop[
 # runs the epilogue. Scratch after the down's counters (n_counters):
 # [top_k][rows / 16] counters, zeroed by a launch before the kernel and reset by
 # each tile's last block, then [top_k][KSB][rows] f32 partials.
-comptime SPLIT_MAX = 6
-comptime SPLIT_MAX_POW2 = 8  # SIMD widths are powers of two
-comptime SPLIT_CHOICES = 4  # KSB = 2, 3, 4, 6
+# Two choices only: each split is one more kernel per route in every GPU
+# graph's compile. With the 2 warps of a block, they give 4 or 6 chains of
+# ~6 or ~4 batches per tile, the probe's KS 4 and KS 6.
+comptime SPLIT_MAX = 3
+comptime SPLIT_MAX_POW2 = 4  # SIMD widths are powers of two
+comptime SPLIT_CHOICES = 2  # KSB = 2, 3
 
 
 @always_inline
 def split_ksb(c: Int) -> Int:
-    return [2, 3, 4, 6][c]
+    return [2, 3][c]
 
 
 def split_choice() raises -> Int:
     """GPTOSS_MAX_MOE_SPLIT: `1` (default) runs gate_up_lean_kernel with H
-    split inside each block only; 2, 3, 4 or 6 split it across that many
-    blocks too (-1, or the index into split_ksb)."""
+    split inside each block only; 2 or 3 split it across that many blocks too
+    (-1, or the index into split_ksb)."""
     var v = Int(getenv("GPTOSS_MAX_MOE_SPLIT", "1"))
     if v <= 1:
         return -1
     comptime for c in range(SPLIT_CHOICES):
         if v == split_ksb(c):
             return c
-    raise Error("GPTOSS_MAX_MOE_SPLIT must be 1, 2, 3, 4 or 6")
+    raise Error("GPTOSS_MAX_MOE_SPLIT must be 1, 2 or 3")
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(max(LEAN_KS, 1) * 32)))

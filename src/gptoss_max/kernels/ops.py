@@ -109,7 +109,7 @@ def _run_moe(
 # moe_gpu.mojo's COUNTER_TILE_ROWS: one counter per 8 output rows of down.
 COUNTER_TILE_ROWS = 8
 # moe_gpu.mojo's SPLIT_MAX: the most blocks a one-token gate_up splits H over (GPTOSS_MAX_MOE_SPLIT).
-SPLIT_MAX = 6
+SPLIT_MAX = 3
 
 
 def counter_count(hidden: Dim, intermediate: Dim, top_k: Dim) -> Dim:
