@@ -1,0 +1,87 @@
+"""The CUDA C probe the scripts compile at run time (scripts/fp8_wgmma_probe.cu, through CuPy's
+NVRTC) compiles for sm_90a in every configuration its script builds, on a machine without a GPU:
+NVRTC from the `nvidia-cuda-nvrtc-cu12` wheel (a test dependency) turns each one into PTX.
+(pdl_preload_probe.cu is a whole program for nvcc, host code and all, so NVRTC cannot take it.) A probe that does not compile costs a device call to find out (it happened:
+fp8_wgmma_probe.cu's `s_prev` was declared for one algorithm and used by another)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from script_loader import load_script
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    assert spec is not None, "the nvidia-cuda-nvrtc-cu12 wheel (pyproject's test extras) is not installed"
+    lib = ctypes.CDLL(str(Path(next(iter(spec.submodule_search_locations))) / "lib" / "libnvrtc.so.12"))
+
+    def compile_ptx(source: str, name: str, defines: dict[str, int]) -> tuple[bool, str, str]:
+        """(compiled, NVRTC's log, PTX) of `source` for compute_90a with -D defines."""
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None) == 0
+        opts = [b"--gpu-architecture=compute_90a", b"-std=c++17", *(f"-D{k}={v}".encode() for k, v in defines.items())]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        ptx = ""
+        if rc == 0:
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, buf)
+            ptx = buf.value.decode()
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        return rc == 0, log.value.decode(errors="replace"), ptx
+
+    return compile_ptx
+
+
+def _fp8_wgmma_configs(probe) -> list[dict[str, int]]:
+    """Each distinct structure fp8_wgmma_probe.py compiles: every (algorithm, PIPE, MODE) and every
+    DEPTH and KS of its variants, then the bf16 kernel's options (--inblock, --mma, --epi) in each
+    MODE."""
+    configs, seen = [], set()
+    for algo, ks, depth, minb, pipe in probe.VARIANTS:
+        for mode in (0, 1, 2):
+            key = (algo, pipe, mode, depth, ks)
+            if key not in seen:
+                seen.add(key)
+                configs.append({"ALGO": algo, "KS": ks, "DEPTH": depth, "MINB": minb, "PIPE": pipe, "MODE": mode})
+    bf16 = {"ALGO": 2, "KS": 3, "DEPTH": 2, "MINB": 4, "PIPE": 1}
+    for extra in ({"INBLK": 1}, {"INBLK": 2}, {"MMA": 1}, {"MMA": 1, "INBLK": 1}, {"EPI": 1}, {"EPI": 2, "MMA": 1}):
+        configs += [{**bf16, "MODE": mode, **extra} for mode in (0, 1, 2)]
+    return configs
+
+
+def test_fp8_wgmma_probe_compiles_in_every_configuration(nvrtc):
+    probe = load_script("scripts/fp8_wgmma_probe.py", "fp8_wgmma_probe")
+    source = (SCRIPTS / "fp8_wgmma_probe.cu").read_text()
+    failed = []
+    for defines in _fp8_wgmma_configs(probe):
+        ok, log, ptx = nvrtc(source, "fp8_wgmma_probe.cu", defines)
+        if not ok:
+            failed.append(f"{defines}: {log.strip()[:400]}")
+            continue
+        # the kernels the script launches, for sm_90a; wgmma where the configuration uses it
+        assert ".target sm_90a" in ptx and ".entry expert_matvec" in ptx and ".entry bf16_matvec" in ptx
+        body = ptx[ptx.index(".entry bf16_matvec") :]
+        if defines["ALGO"] == 2 and defines["MODE"] != 1:
+            assert ("mma.sync.aligned.m16n8k16" in body) == bool(defines.get("MMA"))
+            assert ("wgmma.mma_async" in body) != bool(defines.get("MMA"))
+            assert ("atom.global.add.u32" in body) == bool(defines.get("EPI")), defines
+    assert not failed, "\n".join(failed)
+
+
+def test_a_compile_error_is_reported(nvrtc):
+    ok, log, _ = nvrtc('extern "C" __global__ void k(float* p) { p[0] = undefined_name; }', "bad.cu", {})
+    assert not ok and "undefined_name" in log
+
