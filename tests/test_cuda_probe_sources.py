@@ -1,8 +1,9 @@
 """The CUDA C probe the scripts compile at run time (scripts/fp8_wgmma_probe.cu, through CuPy's
 NVRTC) compiles for sm_90a in every configuration its script builds, on a machine without a GPU:
 NVRTC from the `nvidia-cuda-nvrtc-cu12` wheel (a test dependency) turns each one into PTX.
-(pdl_preload_probe.cu is a whole program for nvcc, host code and all, so NVRTC cannot take it.) A probe that does not compile costs a device call to find out (it happened:
-fp8_wgmma_probe.cu's `s_prev` was declared for one algorithm and used by another)."""
+(pdl_preload_probe.cu is a whole program for nvcc, host code and all, so NVRTC cannot take it.)
+A probe that does not compile costs a device call to find out. It happened: fp8_wgmma_probe.cu's
+`s_prev` was declared for one algorithm and used by another."""
 
 from __future__ import annotations
 
@@ -84,4 +85,3 @@ def test_fp8_wgmma_probe_compiles_in_every_configuration(nvrtc):
 def test_a_compile_error_is_reported(nvrtc):
     ok, log, _ = nvrtc('extern "C" __global__ void k(float* p) { p[0] = undefined_name; }', "bad.cu", {})
     assert not ok and "undefined_name" in log
-
