@@ -727,28 +727,28 @@ def _lean_loop[
 # that again). Each block stores its warp 0's sums, rows g and g + 8 of token 0,
 # as f32 partials; the tile's last block to count sums them in a fixed order and
 # runs the epilogue. Scratch after the down's counters (n_counters):
-# [top_k][rows / 16] counters, zeroed by a launch before the kernel and reset by
-# each tile's last block, then [top_k][KSB][rows] f32 partials.
+# [top_k][rows / 16] counters, zeroed by a launch before the kernel, then
+# [top_k][KSB][rows] f32 partials.
 # Two choices only: each split is one more kernel per route in every GPU
 # graph's compile. With the 2 warps of a block, they give 4 or 6 chains of
 # ~6 or ~4 batches per tile, the probe's KS 4 and KS 6.
 comptime SPLIT_MAX = 3
 comptime SPLIT_MAX_POW2 = 4  # SIMD widths are powers of two
-comptime SPLIT_CHOICES = 2  # KSB = 2, 3
+comptime SPLIT_CHOICES = 3  # KSB = 1 (H split inside each block only), 2, 3
 
 
 @always_inline
 def split_ksb(c: Int) -> Int:
-    return [2, 3][c]
+    return [1, 2, 3][c]
 
 
 def split_choice() raises -> Int:
     """GPTOSS_MAX_MOE_SPLIT: `1` (default) runs gate_up_lean_kernel with H
     split inside each block only; 2 or 3 split it across that many blocks too
-    (-1, or the index into split_ksb)."""
+    (the index into split_ksb)."""
     var v = Int(getenv("GPTOSS_MAX_MOE_SPLIT", "1"))
     if v <= 1:
-        return -1
+        return 0
     comptime for c in range(SPLIT_CHOICES):
         if v == split_ksb(c):
             return c
@@ -816,9 +816,12 @@ def gate_up_lean_kernel[
     var nchunks = hidden // 32
     var tile = Int(block_idx.x) // KSB
     var kb = Int(block_idx.x) % KSB
-    var nbat = (nchunks + 3) // 4
-    var cb0 = min(4 * (nbat * kb // KSB), nchunks)  # the block's chunks, whole batches
-    var nblk = min(4 * (nbat * (kb + 1) // KSB), nchunks) - cb0
+    var cb0 = 0  # the block's chunks: all of H, or (KSB > 1) its whole batches
+    var nblk = nchunks
+    comptime if KSB > 1:
+        var nbat = (nchunks + 3) // 4
+        cb0 = min(4 * (nbat * kb // KSB), nchunks)
+        nblk = min(4 * (nbat * (kb + 1) // KSB), nchunks) - cb0
     var kc0 = cb0 + nblk * w // KS
     var nloc = cb0 + nblk * (w + 1) // KS - kc0
     var nb = (nloc + 3) // 4
@@ -881,8 +884,6 @@ def gate_up_lean_kernel[
         old = shuffle_idx(old, UInt32(0))
         if Int(old) != KSB - 1:
             return
-        if lane == 0:
-            cnt[unsafe_offset=0] = 0  # for the next launch (one per layer)
         threadfence()
         if q == 0:  # the KSB partials in a fixed order, every load issued first
             var pa = SIMD[DType.float32, SPLIT_MAX_POW2]()
@@ -1293,26 +1294,18 @@ def _launch_gate_up_lean[
     var n_down = n_down_counters(hidden)
     var scratch = counters.unsafe_offset(n_down)
     var c = split_choice()
-    if c < 0:
-        ctx.enqueue_function[gate_up_lean_kernel[route]](
-            h, counters, Int64(n_down), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
-            Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden), scratch,
-            grid_dim=((rows + 15) // 16, top_k),
-            block_dim=LEAN_KS * 32,
-            attributes=pdl_attributes(True),
-        )
-        return
-    if n_count < n_counters(hidden, rows, top_k):
-        raise Error("gptoss MoE GPU path: the counters tensor has no room for the K-split scratch")
-    var n_split = top_k * (rows // 16)  # the split's counters, zeroed first
-    ctx.enqueue_function[poison_kernel](
-        scratch.unsafe_bitcast[UInt8](), Int64(4 * n_split), UInt8(0),
-        grid_dim=(4 * n_split + POISON_THREADS - 1) // POISON_THREADS,
-        block_dim=POISON_THREADS,
-    )
     comptime for ci in range(SPLIT_CHOICES):
         if c == ci:
             comptime ksb = split_ksb(ci)
+            comptime if ksb > 1:
+                if n_count < n_counters(hidden, rows, top_k):
+                    raise Error("gptoss MoE GPU path: the counters tensor has no room for the K-split scratch")
+                var n_split = top_k * (rows // 16)  # the split's counters, zeroed first
+                ctx.enqueue_function[poison_kernel](
+                    scratch.unsafe_bitcast[UInt8](), Int64(4 * n_split), UInt8(0),
+                    grid_dim=(4 * n_split + POISON_THREADS - 1) // POISON_THREADS,
+                    block_dim=POISON_THREADS,
+                )
             ctx.enqueue_function[gate_up_lean_kernel[route, ksb]](
                 h, counters, Int64(n_down), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
                 Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden), scratch,
