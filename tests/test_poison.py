@@ -34,7 +34,7 @@ def down_with_scratch():
             [x, ids, gub, gus, gubias, path],
             [
                 TensorType(DType.float32, [T, K, INTER], x.device),
-                TensorType(DType.uint32, [gops.counter_count(H, INTER, K)], x.device),
+                TensorType(DType.uint32, [gops.counter_count(H)], x.device),
             ],
         )
         out, partial = ops.custom(

@@ -62,13 +62,11 @@ from std.atomic import Atomic, Ordering
 from std.bit import pop_count, count_trailing_zeros
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
-from std.os import getenv
 from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
 from .pdl import pdl_attributes, pdl_enter
-from .poison import POISON_THREADS, poison_kernel
 from .router_topk import warp_topk
 
 # Warps per block (a 16-row tile per warp, or per ksplit warps in down). For
@@ -722,43 +720,10 @@ def _lean_loop[
     return acc0 + acc1
 
 
-# K split across blocks as well (v23, bench/NOTES.md; GPTOSS_MAX_MOE_SPLIT): KSB
-# blocks per tile, each over a batch-aligned KSB-th of H (its LEAN_KS warps split
-# that again). Each block stores its warp 0's sums, rows g and g + 8 of token 0,
-# as f32 partials; the tile's last block to count sums them in a fixed order and
-# runs the epilogue. Scratch after the down's counters (n_counters):
-# [top_k][rows / 16] counters, zeroed by a launch before the kernel, then
-# [top_k][KSB][rows] f32 partials.
-# Two choices only: each split is one more kernel per route in every GPU
-# graph's compile. With the 2 warps of a block, they give 4 or 6 chains of
-# ~6 or ~4 batches per tile, the probe's KS 4 and KS 6.
-comptime SPLIT_MAX = 3
-comptime SPLIT_MAX_POW2 = 4  # SIMD widths are powers of two
-comptime SPLIT_CHOICES = 3  # KSB = 1 (H split inside each block only), 2, 3
-
-
-@always_inline
-def split_ksb(c: Int) -> Int:
-    return [1, 2, 3][c]
-
-
-def split_choice() raises -> Int:
-    """GPTOSS_MAX_MOE_SPLIT: `1` (default) runs gate_up_lean_kernel with H
-    split inside each block only; 2 or 3 split it across that many blocks too
-    (the index into split_ksb)."""
-    var v = Int(getenv("GPTOSS_MAX_MOE_SPLIT", "1"))
-    if v <= 1:
-        return 0
-    comptime for c in range(SPLIT_CHOICES):
-        if v == split_ksb(c):
-            return c
-    raise Error("GPTOSS_MAX_MOE_SPLIT must be 1, 2 or 3")
-
-
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(max(LEAN_KS, 1) * 32)))
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(LEAN_MIN_WARPS // max(LEAN_KS, 1)))
 def gate_up_lean_kernel[
-    route: Int, KSB: Int = 1
+    route: Int
 ](
     h: Pointer[Float32, MutAnyOrigin],
     counters: Pointer[UInt32, MutAnyOrigin],
@@ -775,13 +740,11 @@ def gate_up_lean_kernel[
     n_experts_: Int64,
     rows_: Int64,
     hidden_: Int64,
-    scratch: Pointer[UInt32, MutAnyOrigin],
 ):
     """gate_up_kernel[bf16, _, one_token=True, route] as LEAN_KS warps per
-    16-row tile (grid: row tiles x KSB, top_k pair slots): warp w takes blocks
-    [w * nb / KS, (w + 1) * nb / KS) of the block's part of H, warp 0 adds the
-    others' fragments and writes h (KSB > 1: the tile's last block, above).
-    n_counters_: the down's counters, which block (0, 0) zeroes."""
+    16-row tile (grid: row tiles x top_k pair slots): warp w takes blocks
+    [w * nb / KS, (w + 1) * nb / KS) of H, warp 0 adds the others' fragments
+    and writes h."""
     pdl_enter()
     comptime KS = max(LEAN_KS, 1)
     comptime XS_WORDS = LEAN_SLOTS * LEAN_X_STRIDE
@@ -814,18 +777,10 @@ def gate_up_lean_kernel[
     if e < 0 or e >= n_experts:
         return  # the whole block: every warp finds the same e
     var nchunks = hidden // 32
-    var tile = Int(block_idx.x) // KSB
-    var kb = Int(block_idx.x) % KSB
-    var cb0 = 0  # the block's chunks: all of H, or (KSB > 1) its whole batches
-    var nblk = nchunks
-    comptime if KSB > 1:
-        var nbat = (nchunks + 3) // 4
-        cb0 = min(4 * (nbat * kb // KSB), nchunks)
-        nblk = min(4 * (nbat * (kb + 1) // KSB), nchunks) - cb0
-    var kc0 = cb0 + nblk * w // KS
-    var nloc = cb0 + nblk * (w + 1) // KS - kc0
+    var kc0 = nchunks * w // KS
+    var nloc = nchunks * (w + 1) // KS - kc0
     var nb = (nloc + 3) // 4
-    var r0 = tile * 16
+    var r0 = Int(block_idx.x) * 16
     var g = lane >> 2
     var q = lane & 3
     var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
@@ -842,13 +797,7 @@ def gate_up_lean_kernel[
             _load_batch[i](wv, rp[0], rp[1], kc0, nloc, i, q)
     # While those fly: the tile's scales (and the scan for scales above 128)
     # and this warp's part of x, both into shared memory.
-    var big: Bool
-    comptime if KSB == 1:
-        big = _stage_scales(rp[4], min(16, rows - r0) * nchunks, sm)
-    else:  # only this warp's block pairs (32 bytes each, at their offsets in the tile)
-        var lo = (kc0 // 2) * 32
-        var hi = min((kc0 + nloc + 1) // 2 * 32, 16 * nchunks)
-        big = _stage_scales(rp[4].unsafe_offset(lo), max(hi - lo, 0), sm + lo)
+    var big = _stage_scales(rp[4], min(16, rows - r0) * nchunks, sm)
     _stage_x_words(x.unsafe_bitcast[UInt32](), kc0, nloc, 4 * nb, xs)
     var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
     var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
@@ -868,59 +817,15 @@ def gate_up_lean_kernel[
         return
     comptime for j in range(1, KS):
         acc += (red + (j * 32 + lane) * 4).unsafe_load[width=4, alignment=16](0)
-    comptime if KSB > 1:
-        var slot = Int(block_idx.y)
-        var cnt = scratch.unsafe_offset(slot * (rows // 16) + tile)
-        var part = scratch.unsafe_offset(top_k * (rows // 16)).unsafe_bitcast[Float32]()
-        var mine = part.unsafe_offset((slot * KSB + kb) * rows + r0 + g)
-        if q == 0:
-            mine[unsafe_offset=0] = acc[0]
-            mine[unsafe_offset=8] = acc[2]
-        threadfence()
-        syncwarp()
-        var old = UInt32(0)
-        if lane == 0:
-            old = Atomic.fetch_add[ordering=Ordering.RELAXED](cnt, 1)
-        old = shuffle_idx(old, UInt32(0))
-        if Int(old) != KSB - 1:
-            return
-        threadfence()
-        if q == 0:  # the KSB partials in a fixed order, every load issued first
-            var pa = SIMD[DType.float32, SPLIT_MAX_POW2]()
-            var pb = SIMD[DType.float32, SPLIT_MAX_POW2]()
-            comptime for j in range(KSB):
-                var pj = part.unsafe_offset((slot * KSB + j) * rows + r0 + g)
-                pa[j] = pj.unsafe_load[volatile=True](0)
-                pb[j] = pj.unsafe_load[volatile=True](8)
-            acc[0] = pa[0]
-            acc[2] = pb[0]
-            comptime for j in range(1, KSB):
-                acc[0] += pa[j]
-                acc[2] += pb[j]
-    swiglu_tile_store(acc, h, bw, r0, rows, Int(block_idx.y))
-
-
-@always_inline
-def swiglu_tile_store(
-    acc: SIMD[DType.float32, 4],
-    h: Pointer[Float32, MutAnyOrigin],
-    bw: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    r0: Int,
-    rows: Int,
-    pt: Int,
-):
-    """Warp-wide, one-token epilogue of a 16-row tile at r0 (gate_up_kernel's
-    for its one pair: token 0 = column 0 of this lane's fragment acc, rows g
-    and g + 8; bw the tile's 16 bias values): rows g (gate, g even) and g ^ 1
-    (up) sit in lanes l and l ^ 4; h row pt gets bf16 swiglu values."""
-    var lane = Int(lane_id())
-    var g = lane >> 2
+    # As gate_up_kernel's epilogue for its one pair (token 0 = column 0 of the
+    # fragment): rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4.
     var odd = (g & 1) != 0
     var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
     var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
-    if (lane & 3) == 0 and not odd:
+    if q == 0 and not odd:
         var inter = rows // 2
         var hb = h.unsafe_bitcast[BFloat16]()
+        var pt = Int(block_idx.y)
         comptime for hh in range(2):
             var gr = r0 + g + 8 * hh
             if gr + 1 < rows:
@@ -1217,16 +1122,9 @@ def down_one_token_kernel[
             output[unsafe_offset=r] = total.cast[out_dtype]()
 
 
-def n_down_counters(hidden: Int) -> Int:
-    """The counters tensor's first part: one per down row tile (at most),
-    zeroed by gate_up for the down of the same step."""
+def n_counters(hidden: Int) -> Int:
+    """Length of the counters tensor: one per down row tile (at most)."""
     return (hidden + COUNTER_TILE_ROWS - 1) // COUNTER_TILE_ROWS
-
-
-def n_counters(hidden: Int, rows: Int, top_k: Int) -> Int:
-    """Length of the counters tensor (ops.py's counter_count): the down's
-    counters, then the one-token gate_up's K-split scratch (split_scratch)."""
-    return n_down_counters(hidden) + top_k * (rows // 16) + top_k * SPLIT_MAX * rows
 
 
 def _check_gate_up(n_pairs: Int, n_experts: Int, hidden: Int) raises:
@@ -1259,8 +1157,7 @@ def _launch_gate_up[
     var n_pairs = tokens * top_k
     _check_gate_up(n_pairs, n_experts, hidden)
     ctx.enqueue_function[gate_up_kernel[x_dtype, warps, one_token, route]](
-        h, counters, Int64(min(n_count, n_down_counters(hidden))), x, ids, logits, ids_out, wts_out,
-        blocks, scales, bias,
+        h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(n_pairs), Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
         grid_dim=((rows + warps * 16 - 1) // (warps * 16), n_pairs if one_token else min(n_experts, n_pairs)),
         block_dim=warps * 32,
@@ -1289,30 +1186,13 @@ def _launch_gate_up_lean[
     hidden: Int,
 ) raises:
     _check_gate_up(top_k, n_experts, hidden)
-    # n_count is the whole counters tensor: the down's counters (zeroed by block
-    # (0, 0)), then the K-split scratch (v23)
-    var n_down = n_down_counters(hidden)
-    var scratch = counters.unsafe_offset(n_down)
-    var c = split_choice()
-    comptime for ci in range(SPLIT_CHOICES):
-        if c == ci:
-            comptime ksb = split_ksb(ci)
-            comptime if ksb > 1:
-                if n_count < n_counters(hidden, rows, top_k):
-                    raise Error("gptoss MoE GPU path: the counters tensor has no room for the K-split scratch")
-                var n_split = top_k * (rows // 16)  # the split's counters, zeroed first
-                ctx.enqueue_function[poison_kernel](
-                    scratch.unsafe_bitcast[UInt8](), Int64(4 * n_split), UInt8(0),
-                    grid_dim=(4 * n_split + POISON_THREADS - 1) // POISON_THREADS,
-                    block_dim=POISON_THREADS,
-                )
-            ctx.enqueue_function[gate_up_lean_kernel[route, ksb]](
-                h, counters, Int64(n_down), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
-                Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden), scratch,
-                grid_dim=((rows + 15) // 16 * ksb, top_k),
-                block_dim=LEAN_KS * 32,
-                attributes=pdl_attributes(True),
-            )
+    ctx.enqueue_function[gate_up_lean_kernel[route]](
+        h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
+        Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
+        grid_dim=((rows + 15) // 16, top_k),
+        block_dim=LEAN_KS * 32,
+        attributes=pdl_attributes(True),
+    )
 
 
 def launch_gate_up[
@@ -1461,10 +1341,7 @@ def launch_down[
     h rounded to bf16, as the rest of a bf16 graph does."""
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0 or inter > 32 * MAX_K_BLOCKS:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0, I <= 3072")
-    # GPTOSS_MAX_DOWN_ONE=0 gives a one-token step the few-token down_kernel instead: each routed
-    # expert's tile in its own block, summed by the tile's last block (bench/NOTES.md, "v23": the
-    # probe found K splits across blocks faster than inside one; not yet timed in the op).
-    if tokens == 1 and top_k <= MAX_TOPK and getenv("GPTOSS_MAX_DOWN_ONE", "1") != "0":
+    if tokens == 1 and top_k <= MAX_TOPK:
         ctx.enqueue_function[down_one_token_kernel[out_dtype]](
             output, h, ids, wts, blocks, scales, bias,
             Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),

@@ -60,7 +60,7 @@ struct MoeRouteGateUpMxfp4:
         var top_k = ids.dim_size[1]()
         var n_count = counters.dim_size[0]()
         comptime who = "gptoss_moe_route_gate_up_mxfp4"
-        check_gate_up(n_count, rows, hidden, top_k, who)
+        check_gate_up(n_count, rows, hidden, who)
         check_topk(n_experts, top_k, who)
         if logits.dim_size[1]() != n_experts:
             raise Error(String(who) + ": logits must have one column per expert")

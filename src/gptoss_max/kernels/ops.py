@@ -79,7 +79,7 @@ def _run_moe(
     # `path` picks the GPU kernel (moe_prefill_gpu.prefill_choice); both
     # ops get the same one.
     hidden = x.shape[1]
-    counters_type = TensorType(DType.uint32, [counter_count(hidden, intermediate, top_k)], x.device)
+    counters_type = TensorType(DType.uint32, [counter_count(hidden)], x.device)
     path_value = ops.constant(path, DType.int32, device=DeviceRef.CPU()) if isinstance(path, int) else path
     if logits is None:
         h, counters = ops.custom(
@@ -108,15 +108,10 @@ def _run_moe(
 
 # moe_gpu.mojo's COUNTER_TILE_ROWS: one counter per 8 output rows of down.
 COUNTER_TILE_ROWS = 8
-# moe_gpu.mojo's SPLIT_MAX: the most blocks a one-token gate_up splits H over (GPTOSS_MAX_MOE_SPLIT).
-SPLIT_MAX = 3
 
 
-def counter_count(hidden: Dim, intermediate: Dim, top_k: Dim) -> Dim:
-    """moe_gpu.n_counters: the down's tile counters, then the one-token gate_up's K-split scratch
-    (a counter per 16 of its 2I rows and SPLIT_MAX f32 partials per row, for each of the top_k)."""
-    rows = 2 * intermediate
-    return (hidden + (COUNTER_TILE_ROWS - 1)) // COUNTER_TILE_ROWS + top_k * (rows // 16) + top_k * SPLIT_MAX * rows
+def counter_count(hidden: Dim) -> Dim:
+    return (hidden + (COUNTER_TILE_ROWS - 1)) // COUNTER_TILE_ROWS
 
 
 def moe_mxfp4(
