@@ -85,3 +85,30 @@ def test_fp8_wgmma_probe_compiles_in_every_configuration(nvrtc):
 def test_a_compile_error_is_reported(nvrtc):
     ok, log, _ = nvrtc('extern "C" __global__ void k(float* p) { p[0] = undefined_name; }', "bad.cu", {})
     assert not ok and "undefined_name" in log
+
+
+def test_mma_subnormal_probe_compiles_for_both_operand_types(nvrtc):
+    source = (SCRIPTS / "mma_subnormal_probe.cu").read_text()
+    for f16, operand in ((0, "bf16"), (1, "f16")):
+        ok, log, ptx = nvrtc(source, "mma_subnormal_probe.cu", {"F16": f16})
+        assert ok, log
+        assert ".entry mma_probe" in ptx and f"mma.sync.aligned.m16n8k16.row.col.f32.{operand}.{operand}.f32" in ptx
+
+
+def test_mma_subnormal_probe_cases_tell_exact_from_flushed():
+    """The probe's host side: the placed bits decode to the e2m1 values (0.5 on a subnormal), and
+    every case's exact product differs from the flush model, so the GPU's answer can tell them apart."""
+    import numpy as np
+
+    probe = load_script("scripts/mma_subnormal_probe.py", "mma_subnormal_probe")
+    codes = np.arange(16)
+    bf16 = (probe.placed_bits(codes, "bf16").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    f16 = probe.placed_bits(codes, "f16").view(np.float16).astype(np.float64)
+    assert np.array_equal(bf16 * 2.0**126, probe.E2M1) and np.array_equal(f16 * 2.0**14, probe.E2M1)
+    one = np.array([1])
+    assert probe.placed_bits(one, "bf16")[0] == 0x0040 and probe.placed_bits(one, "f16")[0] == 0x0200
+    rng = np.random.default_rng(0)
+    for _, kind, a_pow, b_pow in probe.CASES:
+        a_bits, b_bits, exact, flushed = probe.make_case(rng, kind, a_pow, b_pow)
+        assert a_bits.shape == (16, 16) and b_bits.shape == (16, 8) and a_bits.dtype == np.uint16
+        assert not np.array_equal(exact, flushed)
