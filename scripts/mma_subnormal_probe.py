@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+from gptoss_max.mxfp4 import E2M1_VALUES
+
+E2M1 = E2M1_VALUES.astype(np.float64)
 SOURCE = Path(__file__).with_name("mma_subnormal_probe.cu")
 
 # (name, operand type, the power of two the placed bits carry, the power of two the activations carry)
@@ -41,6 +43,13 @@ def placed_bits(codes: np.ndarray, kind: str) -> np.ndarray:
     return sign | (mag << (6 if kind == "bf16" else 9))
 
 
+def placed_values(bits: np.ndarray, kind: str) -> np.ndarray:
+    """16-bit float bits (bf16 or f16) as float64 values, subnormals included."""
+    if kind == "f16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
 def float_bits(values: np.ndarray, kind: str) -> np.ndarray:
     """Exactly representable values as 16-bit float bits."""
     if kind == "f16":
@@ -55,11 +64,7 @@ def make_case(rng: np.random.Generator, kind: str, a_pow: int, b_pow: int):
     b_vals = ints * 2.0**b_pow
     a_bits = placed_bits(codes, kind)
     b_bits = float_bits(b_vals, kind)
-    # the placed bits decode to the values they should
-    if kind == "f16":
-        assert np.array_equal(a_bits.view(np.float16).astype(np.float64), a_vals)
-    else:
-        assert np.array_equal((a_bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64), a_vals)
+    assert np.array_equal(placed_values(a_bits, kind), a_vals)  # the placed bits mean what they should
     exact = a_vals @ b_vals
     flushed = np.where(np.abs(E2M1[codes]) == 0.5, 0.0, a_vals) @ b_vals
     return a_bits, b_bits, exact, flushed
@@ -80,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = np.random.default_rng(args.seed)
     src = SOURCE.read_text()
+    kernels = {
+        k: cp.RawKernel(src, "mma_probe", options=("-std=c++17", f"-DF16={int(k == 'f16')}")) for k in ("bf16", "f16")
+    }
     rows = []
     for name, kind, a_pow, b_pow in CASES:
-        kernel = cp.RawKernel(src, "mma_probe", options=("-std=c++17", f"-DF16={int(kind == 'f16')}"))
+        kernel = kernels[kind]
         a_bits, b_bits, exact, flushed = make_case(rng, kind, a_pow, b_pow)
         d = cp.zeros((16, 8), dtype=cp.float32)
         kernel((1,), (32,), (cp.asarray(a_bits), cp.asarray(b_bits), d))

@@ -102,8 +102,8 @@ def test_mma_subnormal_probe_cases_tell_exact_from_flushed():
 
     probe = load_script("scripts/mma_subnormal_probe.py", "mma_subnormal_probe")
     codes = np.arange(16)
-    bf16 = (probe.placed_bits(codes, "bf16").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    f16 = probe.placed_bits(codes, "f16").view(np.float16).astype(np.float64)
+    bf16 = probe.placed_values(probe.placed_bits(codes, "bf16"), "bf16")
+    f16 = probe.placed_values(probe.placed_bits(codes, "f16"), "f16")
     assert np.array_equal(bf16 * 2.0**126, probe.E2M1) and np.array_equal(f16 * 2.0**14, probe.E2M1)
     one = np.array([1])
     assert probe.placed_bits(one, "bf16")[0] == 0x0040 and probe.placed_bits(one, "f16")[0] == 0x0200
