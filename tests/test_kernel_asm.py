@@ -61,6 +61,13 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     assert ".maxntid 64" in lean and ".minnctapersm 11" in lean
     assert "mma.sync.aligned.m16n8k16" in lean and "redux.sync.max.u32" in lean
     assert "ld.shared.v2.b32" in lean and "bar.sync" in lean and "cp.async" in lean
+    # v25: the one-token lean tiles (that gate_up and the bf16 down) put the weight bits into mma
+    # with no bf16 multiply and apply each block's scale as an f32 multiply-add after its mma; the
+    # only bf16 multiplies left are the activations' staging (x 2^64, one per pair word of a block),
+    # where the general one-token gate_up still scales every decoded pair
+    for k in (lean, down1):
+        assert k.count("mul.bf16x2") == 16 and "fma.rn.f32" in k
+    assert gate_up1.count("mul.bf16x2") > 100
     # the tensor-core projection: bf16 mma on 8 n tiles, the warps' partials met in shared memory
     assert ".entry" in skinny and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in skinny
     assert "bar.sync" in skinny

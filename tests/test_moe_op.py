@@ -266,6 +266,46 @@ def _pack(codes: np.ndarray) -> np.ndarray:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
+def test_moe_mxfp4_one_token_scale_above_192(target: Target, mxfp4_model, record_property) -> None:
+    """A weight of 2^70 (scale byte 195) in row 9's last block of gate_up and of down, one token.
+    On the GPU the bf16 step's lean tiles apply block scales as f32 multipliers with a fixed bias
+    that holds bytes up to 192 (moe_gpu.LEAN_BIG_S); this tile must take its bias from its largest
+    scale instead, and the tile's other rows must come out as exactly as without the outlier.
+    So row 9 and the other rows are checked each against their own size."""
+    case = Case("one_token_scale_above_192", 1, 8, 4, 64, 64, outlier=2.0**70)
+    x, ids, w, gate_up, gu_bias, down, down_bias = _make_inputs(case)
+    gate_up[:, 9, -1] = 2.0**70  # row 9 is an up row: clamped to +-7 after the product
+    gub, gus = mxfp4.encode(gate_up)
+    db, ds = mxfp4.encode(down)
+    assert int(gus.max()) > 192 and int(ds.max()) > 192
+    gub = gub.reshape(*gus.shape[:-1], -1)
+    db = db.reshape(*ds.shape[:-1], -1)
+    q = (gub, gus, gu_bias, db, ds, down_bias)
+    gub_t, gus_t = mxfp4.tile_for_op(gub, gus)
+    db_t, ds_t = mxfp4.tile_for_op(db, ds)
+    out_f32, out_bf16 = target.run(mxfp4_model, x, ids, w, gub_t, gus_t, gu_bias, db_t, ds_t, down_bias)
+    rest = np.arange(case.hidden) != 9
+    # Row 9 is about one product per expert, 2^70 x h[-1], so it carries h's own rounding (bf16
+    # in a bf16 graph, bf16 hi + lo, ~16 bits, in a float32 one), and the experts' terms may
+    # cancel: it is checked against the sum of their sizes. The other rows keep the usual
+    # tolerances.
+    for label, out, xin, tol, tol9 in (
+        ("mxfp4/f32", out_f32, x, F32_REL_TOL, 2.0**-14),
+        ("mxfp4/bf16", out_bf16, reference.round_to_bf16(x), BF16_REL_TOL, 2.0**-7),
+    ):
+        ref = reference.moe_mxfp4(xin, ids, w, *q)
+        size9 = sum(
+            abs(float(reference.moe_mxfp4(xin, np.where(np.arange(case.top_k) == k, ids, -1), w, *q)[0, 9]))
+            for k in range(case.top_k)
+        )
+        assert size9 > 1e15  # the outlier reaches the output
+        err9 = abs(float(out[0, 9]) - float(ref[0, 9])) / size9
+        report("moe op fidelity", f"{case.name} {target.name} {label} row 9: |err| / sum |terms| {err9:.2e}")
+        record_property(f"{label}_row9_err", err9)
+        assert err9 <= tol9, f"{label}: row 9 off by {err9:.3e} of its terms' sizes (> {tol9})"
+        _check(case, f"{target.name} {label} others", out[:, rest], ref[:, rest], tol, record_property)
+
+
 def test_mxfp4_decode_exhaustive(target: Target, decode_model) -> None:
     """All 16 codes under every finite scale byte (0..254, subnormals included),
     two blocks per row so the row/block indexing is exercised too."""

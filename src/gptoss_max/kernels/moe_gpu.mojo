@@ -49,7 +49,10 @@
 # once (with the scan for scales above 128) instead of loading two bytes from
 # global memory per batch.
 # With bf16 activations a one-token gate_up runs gate_up_lean_kernel instead:
-# two warps per tile over halves of H, x staged in shared memory (v18).
+# two warps per tile over halves of H, x staged in shared memory (v18). Its
+# tile (_lean_tile) also serves the one-token down of a bf16 graph, and takes
+# the block scale out of the decode (v25): B is block diagonal, so each mma
+# column sums one block, scaled afterwards by an f32 multiply-add.
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
@@ -65,7 +68,7 @@ from std.memory import bitcast, stack_allocation
 from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
-from .mxfp4 import tiled_block_offset, tiled_scale_offset
+from .mxfp4 import slot_bits, tiled_block_offset, tiled_scale_offset
 from .pdl import pdl_attributes, pdl_enter
 from .router_topk import warp_topk
 
@@ -325,10 +328,14 @@ def _load_b[
 
 
 @always_inline
-def _stage_scales(s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool:
+def _stage_scales[
+    limit: Int = 128
+](s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool:
     """Warp-wide: copy the n_bytes (<= TILE_SCALES) scale bytes at s_tile into
-    this warp's shared sm, and tell whether any exceeds 128 (weights of
-    magnitude >= 12, which need the two-multiply decode)."""
+    this warp's shared sm, and tell whether any exceeds limit: 128 (weights
+    of magnitude >= 12, which need the two-multiply decode) or 192 (the lean
+    gate_up's multiplier bias, LEAN_BIG_S)."""
+    comptime assert limit == 128 or limit == 192, "the bytewise scan knows 128 and 192"
     var lane = Int(lane_id())
     var big = UInt32(0)
     comptime na = CacheEviction.NO_ALLOCATE
@@ -338,13 +345,18 @@ def _stage_scales(s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool
         for i in range(lane, n_bytes >> 4, 32):
             var w = load[width=4, read_only=True, eviction_policy=na, alignment=16](v + 4 * i)
             d.unsafe_store[width=4, alignment=16](4 * i, w)
-            # per byte: high bit set and some low bit set
-            big |= ((w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)).reduce_or()
+            comptime if limit == 128:
+                # per byte: high bit set and some low bit set
+                big |= ((w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)).reduce_or()
+            else:
+                # per byte: the two high bits set and some of the six low bits
+                var low6 = ((w & 0x3F3F3F3F) + 0x3F3F3F3F) << 1
+                big |= ((w & (w << 1)) & low6 & 0x80808080).reduce_or()
     else:
         for i in range(lane, n_bytes, 32):
             var b = s_tile[unsafe_offset=i]
             sm[i] = b
-            if b > 128:
+            if Int(b) > limit:
                 big = 1
     syncwarp()
     return vote[DType.uint32](big != 0) != 0
@@ -620,7 +632,7 @@ def gate_up_kernel[
         first += TOK_PASS
 
 
-# ------------------------------------------------------------ lean one-token gate_up (v18)
+# ------------------------------------------------------------ lean one-token tiles (v18, v25)
 #
 # A one-token step's gate_up as more, shorter chains: LEAN_KS warps share each
 # 16-row tile, each over its part of H, and sum their fragments in shared
@@ -630,31 +642,93 @@ def gate_up_kernel[
 # a batch is decoded just in time, one mma's four pair words at a time, and
 # the activations come from a decode-ordered copy of x in shared memory (one
 # 8-byte load per mma), so the registers fit LEAN_MIN_WARPS warps per SM:
-# LEAN_KS * 1,440 warps of ~23 / LEAN_KS batches in one wave.
+# LEAN_KS * 1,440 warps of ~23 / LEAN_KS batches in one wave. The one-token
+# down (bf16 output) runs the same tile on its part of h.
+#
+# v25, the block scale after the mma: with one token, seven of mma's eight B
+# columns are spare. Lane (g, q) gives its activations (block 4b + q of the
+# batch) only to column g = 2q and reads a zero block otherwise, so B is block
+# diagonal and D's column 2q is block q's own sum. The weights go in as the
+# bare placed bits (mxfp4.slot_bits: e2m1 x 2^-126; the tensor cores keep the
+# subnormal ones exactly, bench/results/mma_subnormal_probe_h200_20261129.json)
+# with no bf16 multiply, and each lane applies its block's scale to its column
+# with one f32 multiply-add per row. The quad's four lanes then hold the four
+# blocks' shares of each row, summed by two shuffles at the end.
+# The staged activations carry 2^LEAN_X_POW (exact in bf16 for |x| < 2^(128 -
+# LEAN_X_POW)), so the sums stay in f32's normal range, and scale byte s
+# becomes the f32 multiplier with bits (s + LEAN_BIAS) << 23, 2^(s - 1 -
+# LEAN_X_POW), exact for every s <= LEAN_BIG_S. A tile with a larger scale
+# takes a bias from its largest one instead (_lean_bias) and multiplies the
+# rest back at the end (_lean_rest).
 comptime LEAN_KS = 2  # warps per tile (0: the one-token step keeps gate_up_kernel)
 comptime LEAN_MIN_WARPS = 22  # resident warps per SM the registers are held to
 # u32 words per staged x block: 16 used; a stride of 20 puts the 4 quads' 8-byte
 # loads of one mma in distinct banks
 comptime LEAN_X_STRIDE = 20
-comptime LEAN_SLOTS = ((MAX_K_BLOCKS + max(LEAN_KS, 1) - 1) // max(LEAN_KS, 1) + 3) // 4 * 4
+
+
+def _lean_x_words(ks: Int) -> Int:
+    """u32 words of a warp's staged x when ks warps split K: its blocks,
+    rounded up to whole batches, then the zero block."""
+    return (((MAX_K_BLOCKS + ks - 1) // ks + 3) // 4 * 4 + 1) * LEAN_X_STRIDE
+
+
+comptime LEAN_X_WORDS = _lean_x_words(max(LEAN_KS, 1))
+comptime LEAN_X_POW = 64
+comptime LEAN_BIAS = 126 - LEAN_X_POW
+comptime LEAN_BIG_S = 128 + LEAN_X_POW
 comptime SharedU32 = Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 @always_inline
 def _stage_x_words(xrow: Pointer[UInt32, _], c0: Int, nloc: Int, nslots: Int, xs: SharedU32):
-    """Warp-wide: x blocks c0 .. c0 + nloc - 1 (bf16, natural order) into xs
-    as decode-ordered pair words (LEAN_X_STRIDE per block), zero blocks after
-    them up to nslots (the clamped weight blocks past the end meet these)."""
-    for j in range(Int(lane_id()), nslots, 32):
+    """Warp-wide: x blocks c0 .. c0 + nloc - 1 (bf16, natural order) times
+    2^LEAN_X_POW into xs as decode-ordered pair words (LEAN_X_STRIDE per
+    block), zero blocks after them up to nslots (the clamped weight blocks
+    past the end meet these), and one more zero block (the B words of the
+    lanes that do not feed B)."""
+    comptime m = UInt32((LEAN_X_POW + 127) << 7)
+    var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
+    for j in range(Int(lane_id()), nslots + 1, 32):
         var hi = SIMD[DType.uint32, 16](0)
         if j < nloc:
             hi = _load_a[A_BF16](xrow, 0, c0 + j)[0]
         var d = xs + j * LEAN_X_STRIDE
         comptime for v4 in range(4):
-            d.unsafe_store[width=4, alignment=16](
-                4 * v4, SIMD[DType.uint32, 4](hi[4 * v4], hi[4 * v4 + 1], hi[4 * v4 + 2], hi[4 * v4 + 3])
-            )
+            var v = SIMD[DType.uint32, 4](0)
+            comptime for z in range(4):
+                v[z] = scaled_pair(hi[4 * v4 + z], mult)
+            d.unsafe_store[width=4, alignment=16](4 * v4, v)
     syncwarp()
+
+
+@always_inline
+def _lean_mult[big: Bool](s: UInt32, bias: Int32) -> Float32:
+    """Scale byte s as the f32 2^(s + bias - 127); big: a tile bias under
+    LEAN_BIAS, where scales far below the tile's largest flush to zero."""
+    comptime if big:
+        return bitcast[DType.float32, 1](UInt32(max(Int32(s) + bias, 0)) << 23)
+    else:
+        return bitcast[DType.float32, 1](UInt32(Int32(s) + bias) << 23)
+
+
+@always_inline
+def _lean_bias(sm: SharedU8, n_bytes: Int) -> Int32:
+    """Warp-wide, for a tile with a scale above LEAN_BIG_S (rare): the bias
+    that takes its largest scale (of the n_bytes at sm) to the f32 2^127."""
+    var top = UInt32(0)
+    for i in range(Int(lane_id()), n_bytes, 32):
+        top = max(top, UInt32(sm[i]))
+    comptime for i in range(5):
+        top = max(top, shuffle_xor(top, UInt32(16 >> i)))
+    return Int32(254) - Int32(top)
+
+
+@always_inline
+def _lean_rest(bias: Int32) -> Float32:
+    """What _lean_bias's bias left out of every multiplier: 2^(LEAN_BIAS -
+    bias), at most 2^62."""
+    return bitcast[DType.float32, 1](UInt32(Int32(LEAN_BIAS + 127) - bias) << 23)
 
 
 @always_inline
@@ -663,29 +737,35 @@ def _lean_batch[
 ](
     wv: Array[SIMD[DType.uint32, 4], RING],
     sv: Array[UInt32, RING],
-    mut acc0: SIMD[DType.float32, 4],
-    mut acc1: SIMD[DType.float32, 4],
+    mut part: SIMD[DType.float32, 2],
     xb: SharedU32,
+    bias: Int32,
 ):
-    """_mma_batch for one token, decoding each mma's A words just before it
-    and reading its B words (this lane's x block, xb) from shared memory."""
+    """One batch for one token: each mma's A words placed (no scale) just
+    before it, its B words (this lane's x block, or the zero block) read from
+    shared memory, two chains from zero; then column 2q (block q's sums of
+    rows g and g + 8) times the block's scales, into part."""
     comptime i = 2 * slot
+    var d0 = SIMD[DType.float32, 4](0)
+    var d1 = SIMD[DType.float32, 4](0)
     comptime for t in range(8):
         comptime w4 = t // 2
         comptime s0 = 2 * (t % 2)
         var a = bitcast[DType.bfloat16, 8](
             SIMD[DType.uint32, 4](
-                _decode_scaled[big, s0](wv[i][w4], sv[i]),
-                _decode_scaled[big, s0](wv[i + 1][w4], sv[i + 1]),
-                _decode_scaled[big, s0 + 1](wv[i][w4], sv[i]),
-                _decode_scaled[big, s0 + 1](wv[i + 1][w4], sv[i + 1]),
+                slot_bits[s0](wv[i][w4]),
+                slot_bits[s0](wv[i + 1][w4]),
+                slot_bits[s0 + 1](wv[i][w4]),
+                slot_bits[s0 + 1](wv[i + 1][w4]),
             )
         )
         var b = bitcast[DType.bfloat16, 4](xb.unsafe_load[width=2, alignment=8](2 * t))
         comptime if t % 2 == 0:
-            mma(acc0, a, b, acc0)
+            mma(d0, a, b, d0)
         else:
-            mma(acc1, a, b, acc1)
+            mma(d1, a, b, d1)
+    var sc = SIMD[DType.float32, 2](_lean_mult[big](sv[i], bias), _lean_mult[big](sv[i + 1], bias))
+    part = (SIMD[DType.float32, 2](d0[0], d0[2]) + SIMD[DType.float32, 2](d1[0], d1[2])).fma(sc, part)
 
 
 @always_inline
@@ -700,13 +780,16 @@ def _lean_loop[
     s_g8: SharedU8,
     c0: Int,
     nchunks: Int,
-    xs: SharedU32,
-) -> SIMD[DType.float32, 4]:
-    """_tile_loop with _lean_batch (batches 0 .. DEPTH - 2 already in flight)."""
+    xb0: SharedU32,
+    xstep: Int,
+    bias: Int32,
+) -> SIMD[DType.float32, 2]:
+    """_tile_loop with _lean_batch (batches 0 .. DEPTH - 2 already in flight;
+    batch b's B words at xb0 + b * xstep): this lane's share of rows g and
+    g + 8."""
     var q = Int(lane_id()) & 3
     var nb = (nchunks + 3) // 4
-    var acc0 = SIMD[DType.float32, 4](0)
-    var acc1 = SIMD[DType.float32, 4](0)
+    var part = SIMD[DType.float32, 2](0)
     var bt = 0
     while bt < nb:
         comptime for i in range(DEPTH):
@@ -715,9 +798,67 @@ def _lean_loop[
                     comptime nxt = (i + DEPTH - 1) % DEPTH
                     _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + DEPTH - 1, q)
                     _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
-                _lean_batch[big, i](wv, sv, acc0, acc1, xs + (4 * (bt + i) + q) * LEAN_X_STRIDE)
+                _lean_batch[big, i](wv, sv, part, xb0 + (bt + i) * xstep, bias)
         bt += DEPTH
-    return acc0 + acc1
+    return part
+
+
+@always_inline
+def _lean_tile(
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    e: Int,
+    rows: Int,
+    r0: Int,
+    nchunks: Int,
+    kc0: Int,
+    nloc: Int,
+    xrow: Pointer[UInt32, _],
+    sm: SharedU8,
+    xs: SharedU32,
+) -> SIMD[DType.float32, 4]:
+    """One warp, one token: rows r0 .. r0 + 15 of expert e's matrix [rows,
+    32 * nchunks] over its blocks kc0 .. kc0 + nloc - 1, times the bf16
+    activation row xrow (as pair words). sm (TILE_SCALES bytes) and xs
+    (LEAN_X_WORDS) are the warp's own shared memory. Returns the fragment of
+    rows g (c0, c1) and g + 8 (c2, c3), every column the token."""
+    var lane = Int(lane_id())
+    var g = lane >> 2
+    var q = lane & 3
+    var nb = (nloc + 3) // 4
+    var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
+    var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
+    var sv = Array[UInt32, RING](fill=0)
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _load_batch[i](wv, rp[0], rp[1], kc0, nloc, i, q)
+    # While those fly: the tile's scales (and the scan for scales above
+    # LEAN_BIG_S) and this warp's part of x, both into shared memory.
+    var tile_bytes = min(16, rows - r0) * nchunks
+    var big = _stage_scales[LEAN_BIG_S](rp[4], tile_bytes, sm)
+    _stage_x_words(xrow, kc0, nloc, 4 * nb, xs)
+    var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
+    var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _read_scales[i](sv, ss_g, ss_g8, kc0, nloc, i, q)
+    # B is block diagonal: lane (g, q) feeds column g = 2q with its block's x,
+    # the other lanes read the zero block after the staged ones
+    var feeds = g == 2 * q
+    var xb0 = xs + (q * LEAN_X_STRIDE if feeds else 4 * nb * LEAN_X_STRIDE)
+    var xstep = 4 * LEAN_X_STRIDE if feeds else 0
+    var part: SIMD[DType.float32, 2]
+    if big:
+        var bias = _lean_bias(sm, tile_bytes)
+        part = _lean_loop[True](wv, sv, rp[0], rp[1], ss_g, ss_g8, kc0, nloc, xb0, xstep, bias)
+        part *= _lean_rest(bias)
+    else:
+        part = _lean_loop[False](wv, sv, rp[0], rp[1], ss_g, ss_g8, kc0, nloc, xb0, xstep, Int32(LEAN_BIAS))
+    # the quad's four blocks of each batch
+    comptime for m in range(2):
+        part[0] += shuffle_xor(part[0], UInt32(1 << m))
+        part[1] += shuffle_xor(part[1], UInt32(1 << m))
+    return SIMD[DType.float32, 4](part[0], part[0], part[1], part[1])
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(max(LEAN_KS, 1) * 32)))
@@ -747,7 +888,6 @@ def gate_up_lean_kernel[
     and writes h."""
     pdl_enter()
     comptime KS = max(LEAN_KS, 1)
-    comptime XS_WORDS = LEAN_SLOTS * LEAN_X_STRIDE
     var n_counters = Int(n_counters_)
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
@@ -758,8 +898,8 @@ def gate_up_lean_kernel[
     var tid = Int(thread_idx.x)
     var sms = stack_allocation[KS * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
     var sm = sms + w * TILE_SCALES
-    var xss = stack_allocation[KS * XS_WORDS, UInt32, alignment=16, address_space=AddressSpace.SHARED]()
-    var xs = xss + w * XS_WORDS
+    var xss = stack_allocation[KS * LEAN_X_WORDS, UInt32, alignment=16, address_space=AddressSpace.SHARED]()
+    var xs = xss + w * LEAN_X_WORDS
     var red = stack_allocation[KS * 128, Float32, alignment=16, address_space=AddressSpace.SHARED]()
     var bw = stack_allocation[16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
     if block_idx.x == 0 and block_idx.y == 0:
@@ -779,36 +919,16 @@ def gate_up_lean_kernel[
     var nchunks = hidden // 32
     var kc0 = nchunks * w // KS
     var nloc = nchunks * (w + 1) // KS - kc0
-    var nb = (nloc + 3) // 4
     var r0 = Int(block_idx.x) * 16
     var g = lane >> 2
     var q = lane & 3
-    var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
     if w == 0:
         if lane < 16 and r0 + lane < rows:
             async_copy[4](
                 bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane
             )
     async_copy_commit_group()
-    var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
-    var sv = Array[UInt32, RING](fill=0)
-    comptime for i in range(DEPTH - 1):
-        if i < nb:
-            _load_batch[i](wv, rp[0], rp[1], kc0, nloc, i, q)
-    # While those fly: the tile's scales (and the scan for scales above 128)
-    # and this warp's part of x, both into shared memory.
-    var big = _stage_scales(rp[4], min(16, rows - r0) * nchunks, sm)
-    _stage_x_words(x.unsafe_bitcast[UInt32](), kc0, nloc, 4 * nb, xs)
-    var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
-    var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
-    comptime for i in range(DEPTH - 1):
-        if i < nb:
-            _read_scales[i](sv, ss_g, ss_g8, kc0, nloc, i, q)
-    var acc: SIMD[DType.float32, 4]
-    if big:
-        acc = _lean_loop[True](wv, sv, rp[0], rp[1], ss_g, ss_g8, kc0, nloc, xs)
-    else:
-        acc = _lean_loop[False](wv, sv, rp[0], rp[1], ss_g, ss_g8, kc0, nloc, xs)
+    var acc = _lean_tile(blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs)
     comptime if KS > 1:
         (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
@@ -1053,7 +1173,9 @@ def down_one_token_kernel[
     top_k experts (DOWN_KSPLIT_FEW warps each, over parts of I) and sums them
     in shared memory in a fixed order (deterministic), so no partials reach
     global memory and no block waits on a counter. Warp w serves pair
-    w // DOWN_KSPLIT_FEW (expert ids[pair]; an invalid id adds nothing)."""
+    w // DOWN_KSPLIT_FEW (expert ids[pair]; an invalid id adds nothing). A
+    bf16 output runs the lean tile (v25); a float32 one _tile16 on h's hi and
+    lo words."""
     pdl_enter()
     comptime ksplit = DOWN_KSPLIT_FEW
     comptime nw = MAX_TOPK * ksplit
@@ -1064,6 +1186,8 @@ def down_one_token_kernel[
     comptime split = out_dtype != DType.bfloat16
     var red = stack_allocation[nw * 32 * 4, Float32, alignment=16, address_space=AddressSpace.SHARED]()
     var sms = stack_allocation[nw * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    # bf16 output: the lean tile's staged h (none for f32, which keeps hi + lo)
+    var xss = stack_allocation[0 if split else nw * _lean_x_words(ksplit), UInt32, alignment=16, address_space=AddressSpace.SHARED]()
     var w = Int(warp_id())
     var sm = sms + w * TILE_SCALES
     var lane = Int(lane_id())
@@ -1095,13 +1219,18 @@ def down_one_token_kernel[
         var nchunks = inter // 32
         var kc0 = nchunks * kw // ksplit
         var nloc = nchunks * (kw + 1) // ksplit - kc0
-        var rp = _tile_rows(blocks, scales, e, hidden, r0, g, r0 + g < hidden, r0 + g + 8 < hidden, nchunks)
-        var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter + kc0 * 16)
-        comptime amode = A_WORDS_SPLIT if split else A_WORDS
-        var big = False
-        acc = _tile16[amode](
-            rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
-        )
+        comptime if split:
+            var rp = _tile_rows(blocks, scales, e, hidden, r0, g, r0 + g < hidden, r0 + g + 8 < hidden, nchunks)
+            var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter + kc0 * 16)
+            var big = False
+            acc = _tile16[A_WORDS_SPLIT](
+                rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
+            )
+        else:
+            # h's row k as bf16 pair words, its blocks kc0 .. kc0 + nloc - 1
+            # staged in the warp's xs
+            var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter)
+            acc = _lean_tile(blocks, scales, e, hidden, r0, nchunks, kc0, nloc, hrow, sm, xss + w * _lean_x_words(ksplit))
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
