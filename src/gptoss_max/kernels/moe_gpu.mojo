@@ -674,6 +674,8 @@ def _lean_x_words(ks: Int) -> Int:
 
 
 comptime LEAN_X_WORDS = _lean_x_words(max(LEAN_KS, 1))
+# independent mma accumulator chains per batch (1, 2, 4 or 8: 8 mmas a batch)
+comptime LEAN_CHAINS = 2
 comptime LEAN_X_POW = 64
 comptime LEAN_BIAS = 126 - LEAN_X_POW
 comptime LEAN_BIG_S = 128 + LEAN_X_POW
@@ -743,11 +745,10 @@ def _lean_batch[
 ):
     """One batch for one token: each mma's A words placed (no scale) just
     before it, its B words (this lane's x block, or the zero block) read from
-    shared memory, two chains from zero; then column 2q (block q's sums of
-    rows g and g + 8) times the block's scales, into part."""
+    shared memory, LEAN_CHAINS chains from zero; then column 2q (block q's
+    sums of rows g and g + 8) times the block's scales, into part."""
     comptime i = 2 * slot
-    var d0 = SIMD[DType.float32, 4](0)
-    var d1 = SIMD[DType.float32, 4](0)
+    var d = Array[SIMD[DType.float32, 4], LEAN_CHAINS](fill=0)
     comptime for t in range(8):
         comptime w4 = t // 2
         comptime s0 = 2 * (t % 2)
@@ -760,12 +761,13 @@ def _lean_batch[
             )
         )
         var b = bitcast[DType.bfloat16, 4](xb.unsafe_load[width=2, alignment=8](2 * t))
-        comptime if t % 2 == 0:
-            mma(d0, a, b, d0)
-        else:
-            mma(d1, a, b, d1)
+        comptime c = t % LEAN_CHAINS
+        mma(d[c], a, b, d[c])
+    var col = SIMD[DType.float32, 2](d[0][0], d[0][2])
+    comptime for c in range(1, LEAN_CHAINS):
+        col += SIMD[DType.float32, 2](d[c][0], d[c][2])
     var sc = SIMD[DType.float32, 2](_lean_mult[big](sv[i], bias), _lean_mult[big](sv[i + 1], bias))
-    part = (SIMD[DType.float32, 2](d0[0], d0[2]) + SIMD[DType.float32, 2](d1[0], d1[2])).fma(sc, part)
+    part = col.fma(sc, part)
 
 
 @always_inline

@@ -1,0 +1,43 @@
+"""scripts/ncu_sass_hotspots.py ranks SASS lines by stall samples from ncu's source-page CSV,
+reading the column names it is given (they move between ncu versions)."""
+
+from __future__ import annotations
+
+from script_loader import load_script
+
+CSV = """==PROF== Connected to process 1
+"Kernel Name","Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_long_sb","stall_wait"
+"gate_up","0x10","LDG.E.128 R4, [R2.64]","120","110","100","0"
+"gate_up","0x20","HMMA.16816.F32.BF16 R8, R4, R6, RZ","30","20","0","15"
+"gate_up","0x30","NOP","0","0","0","0"
+"down","0x10","LDS.128 R4, [R2]","8","8","0","0"
+"""
+
+
+def test_ranks_lines_per_kernel_by_all_samples():
+    mod = load_script("scripts/ncu_sass_hotspots.py", "ncu_sass_hotspots")
+    fields, found = mod.hotspots(CSV, top=5)
+    assert "stall_long_sb" in fields
+    gate = found["gate_up"]
+    assert [i["address"] for i in gate] == ["0x10", "0x20"]  # the unsampled NOP is left out
+    assert gate[0]["share"] == 0.8 and gate[0]["stalls"] == {
+        "stall_long_sb": 100.0,
+        "Warp Stall Sampling (Not-issued Samples)": 110.0,
+    }
+    assert gate[1]["stalls"]["stall_wait"] == 15.0
+    assert found["down"][0]["source"].startswith("LDS.128")
+
+
+def test_falls_back_to_any_sample_column_and_reports_none(capsys, tmp_path):
+    mod = load_script("scripts/ncu_sass_hotspots.py", "ncu_sass_hotspots")
+    assert mod.sample_column(["Address", "Sampling Data (All)"]) == "Sampling Data (All)"
+    assert mod.sample_column(["Address", "Samples"]) == "Samples"
+    assert mod.sample_column(["Address", "Source"]) is None
+    empty = tmp_path / "none.csv"
+    empty.write_text('"Address","Source"\n"0x10","NOP"\n')
+    assert mod.main([str(empty)]) == 1
+    full = tmp_path / "sass.csv"
+    full.write_text(CSV)
+    assert mod.main([str(full), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "80.0%" in out and "0x20" not in out
