@@ -333,8 +333,8 @@ def _stage_scales[
 ](s_tile: Pointer[UInt8, _], n_bytes: Int, sm: SharedU8) -> Bool:
     """Warp-wide: copy the n_bytes (<= TILE_SCALES) scale bytes at s_tile into
     this warp's shared sm, and tell whether any exceeds limit: 128 (weights
-    of magnitude >= 12, which need the two-multiply decode) or 192 (the lean
-    gate_up's multiplier bias, LEAN_BIG_S)."""
+    of magnitude >= 12, which need the two-multiply decode) or 192 (what the
+    lean tiles' fixed multiplier bias holds, LEAN_BIG_S)."""
     comptime assert limit == 128 or limit == 192, "the bytewise scan knows 128 and 192"
     var lane = Int(lane_id())
     var big = UInt32(0)
