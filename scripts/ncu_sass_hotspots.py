@@ -7,8 +7,9 @@
 ncu's column names move between versions, so this reads them instead of assuming them: the
 sample count it sorts by is the first column whose name holds "Sampling" and "All" (else any
 "Sampl..." count), and each stall-reason column (a name with "stall", case aside) that is nonzero
-on a line is shown with it. A report of several kernels prints one table per "Kernel Name" (or
-"Function Name") value. It prints the columns it found first, so a new schema shows itself.
+on a line is shown with it. A report of several kernels prints one table per kernel: ncu 2025
+writes a `"Kernel Name","<name>",` line before each kernel's table, older ones a "Kernel Name" (or
+"Function Name") column. It prints the columns it found first, so a new schema shows itself.
 Used on the device by scripts/gpu_moe_profile.sh (issue 4: where the one-token MoE kernels wait).
 """
 
@@ -37,27 +38,49 @@ def sample_column(fields: list[str]) -> str | None:
     return None
 
 
+def _sections(text: str) -> list[tuple[str, list[dict]]]:
+    """(kernel, rows) per table. ncu 2025 writes one table per kernel, each after a line
+    `"Kernel Name","<name>",`; older ones write one table with a "Kernel Name" column."""
+    sections: list[tuple[str, list[str]]] = [("", [])]
+    for ln in text.splitlines():
+        if ln.startswith('"Kernel Name","') and ln.rstrip().rstrip(",").count('","') == 1:
+            sections.append((next(csv.reader([ln]))[1], []))
+        elif ln.startswith('"'):  # ncu may print "==PROF==" or blank lines around the CSV
+            sections[-1][1].append(ln)
+    return [(k, list(csv.DictReader(io.StringIO("\n".join(lines))))) for k, lines in sections if lines]
+
+
 def hotspots(text: str, top: int) -> tuple[list[str], dict[str, list[dict]]]:
     """(the CSV's columns, kernel -> its `top` lines by samples, each {address, source, samples,
     share, stalls: {reason: count}}). Lines without samples are left out."""
-    # ncu may print "==PROF==" or blank lines before the CSV header
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
-    fields = list(rows[0].keys()) if rows else []
+    sections = _sections(text)
+    # a row longer than the header puts its extra cells under the key None: not a column
+    fields = [f for f in sections[0][1][0].keys() if isinstance(f, str)] if sections and sections[0][1] else []
     col = sample_column(fields)
     if col is None:
         return fields, {}
     kernel_col = next((f for f in fields if f in ("Kernel Name", "Function Name")), None)
-    stall_cols = [f for f in fields if "stall" in f.lower() and f != col]
+    # the "(Not-issued Samples)" twin of the sample column is a total, not a reason, and each
+    # reason's "(Not Issued)" twin repeats it
+    stall_cols = [
+        f for f in fields if "stall" in f.lower() and "sampl" not in f.lower() and "not issued" not in f.lower()
+    ]
     per_kernel: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        n = _number(r.get(col, ""))
-        if not n:
-            continue
-        stalls = {f: v for f in stall_cols if (v := _number(r.get(f, ""))) is not None and v > 0}
-        per_kernel[r.get(kernel_col, "") if kernel_col else ""].append(
-            {"address": r.get("Address", ""), "source": (r.get("Source") or "").strip(), "samples": n, "stalls": stalls}
-        )
+    for section_kernel, rows in sections:
+        for r in rows:
+            n = _number(r.get(col) or "")
+            if not n:
+                continue
+            stalls = {f: v for f in stall_cols if (v := _number(r.get(f) or "")) is not None and v > 0}
+            kernel = r.get(kernel_col, "") if kernel_col else section_kernel
+            per_kernel[kernel].append(
+                {
+                    "address": r.get("Address", ""),
+                    "source": (r.get("Source") or "").strip(),
+                    "samples": n,
+                    "stalls": stalls,
+                }
+            )
     out = {}
     for kernel, items in per_kernel.items():
         total = sum(i["samples"] for i in items)

@@ -67,6 +67,8 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     # where the general one-token gate_up still scales every decoded pair
     for k in (lean, down1):
         assert k.count("mul.bf16x2") == 16 and "fma.rn.f32" in k
+    # the bf16 one-token down: 3 warps per expert (12 per block), 2 blocks per SM
+    assert ".maxntid 384" in down1 and ".minnctapersm 2" in down1
     assert gate_up1.count("mul.bf16x2") > 100
     # the tensor-core projection: bf16 mma on 8 n tiles, the warps' partials met in shared memory
     assert ".entry" in skinny and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in skinny

@@ -79,6 +79,17 @@ comptime FEW_TOKENS = 2
 comptime GATE_UP_WARPS_FEW = 2
 comptime DOWN_WARPS_FEW = 2
 comptime DOWN_KSPLIT_FEW = 2  # both warps of a few-token down block share one tile
+comptime DOWN1_DEPTH = 2  # the one-token down's lean ring (batches; DEPTH elsewhere)
+# warps per expert of a bf16 one-token down block (its lean tile's 78 registers
+# hold 2 blocks of 12 warps per SM); a float32 one keeps DOWN_KSPLIT_FEW, since
+# _tile16 on hi + lo spills at 12 warps
+comptime DOWN1_KSPLIT = 3
+
+
+def _down1_ksplit(out_dtype: DType) -> Int:
+    """Warps per expert in down_one_token_kernel[out_dtype]."""
+    return DOWN_KSPLIT_FEW if out_dtype != DType.bfloat16 else DOWN1_KSPLIT
+
 comptime WARPS_MANY = 4
 # Resident warps per SM the register budget is held to. Few-token blocks: 12
 # (<= 168 registers): a one-token step's 1440 gate_up / down warps then run in
@@ -243,9 +254,9 @@ def _decode_scaled[big: Bool, c: Int](w: UInt32, sc: UInt32) -> UInt32:
 
 @always_inline
 def _load_batch[
-    slot: Int
+    ring: Int, //, slot: Int
 ](
-    mut wv: Array[SIMD[DType.uint32, 4], RING],
+    mut wv: Array[SIMD[DType.uint32, 4], ring],
     w_g: Pointer[UInt32, _],
     w_g8: Pointer[UInt32, _],
     c0: Int,
@@ -267,8 +278,8 @@ def _load_batch[
 
 @always_inline
 def _read_scales[
-    slot: Int
-](mut sv: Array[UInt32, RING], s_g: SharedU8, s_g8: SharedU8, c0: Int, nchunks: Int, batch: Int, q: Int):
+    ring: Int, //, slot: Int
+](mut sv: Array[UInt32, ring], s_g: SharedU8, s_g8: SharedU8, c0: Int, nchunks: Int, batch: Int, q: Int):
     """The scale bytes of the batch _load_batch put in ring slot `slot`, from
     the warp's shared copy of the tile's scales (s_g, s_g8: rows g and g + 8,
     scale 0)."""
@@ -674,6 +685,13 @@ def _lean_x_words(ks: Int) -> Int:
 
 
 comptime LEAN_X_WORDS = _lean_x_words(max(LEAN_KS, 1))
+
+
+def _lean_scale_bytes(ks: Int) -> Int:
+    """Bytes of a warp's staged scales when ks warps split K: the 32-byte
+    block pairs its blocks can touch."""
+    return (((MAX_K_BLOCKS + ks - 1) // ks + 1) // 2 + 1) * 32
+
 # independent mma accumulator chains per batch (1, 2, 4 or 8: 8 mmas a batch)
 comptime LEAN_CHAINS = 2
 comptime LEAN_X_POW = 64
@@ -735,10 +753,10 @@ def _lean_rest(bias: Int32) -> Float32:
 
 @always_inline
 def _lean_batch[
-    big: Bool, slot: Int
+    ring: Int, //, big: Bool, slot: Int
 ](
-    wv: Array[SIMD[DType.uint32, 4], RING],
-    sv: Array[UInt32, RING],
+    wv: Array[SIMD[DType.uint32, 4], ring],
+    sv: Array[UInt32, ring],
     mut part: SIMD[DType.float32, 2],
     xb: SharedU32,
     bias: Int32,
@@ -772,10 +790,10 @@ def _lean_batch[
 
 @always_inline
 def _lean_loop[
-    big: Bool
+    ring: Int, //, big: Bool
 ](
-    mut wv: Array[SIMD[DType.uint32, 4], RING],
-    mut sv: Array[UInt32, RING],
+    mut wv: Array[SIMD[DType.uint32, 4], ring],
+    mut sv: Array[UInt32, ring],
     w_g: Pointer[UInt32, _],
     w_g8: Pointer[UInt32, _],
     s_g: SharedU8,
@@ -786,27 +804,30 @@ def _lean_loop[
     xstep: Int,
     bias: Int32,
 ) -> SIMD[DType.float32, 2]:
-    """_tile_loop with _lean_batch (batches 0 .. DEPTH - 2 already in flight;
-    batch b's B words at xb0 + b * xstep): this lane's share of rows g and
-    g + 8."""
+    """_tile_loop with _lean_batch over a ring of ring / 2 batches (batches
+    0 .. ring / 2 - 2 already in flight; batch b's B words at xb0 + b *
+    xstep): this lane's share of rows g and g + 8."""
+    comptime depth = ring // 2
     var q = Int(lane_id()) & 3
     var nb = (nchunks + 3) // 4
     var part = SIMD[DType.float32, 2](0)
     var bt = 0
     while bt < nb:
-        comptime for i in range(DEPTH):
+        comptime for i in range(depth):
             if bt + i < nb:
-                if bt + i + DEPTH - 1 < nb:
-                    comptime nxt = (i + DEPTH - 1) % DEPTH
-                    _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + DEPTH - 1, q)
-                    _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + DEPTH - 1, q)
+                if bt + i + depth - 1 < nb:
+                    comptime nxt = (i + depth - 1) % depth
+                    _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + depth - 1, q)
+                    _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + depth - 1, q)
                 _lean_batch[big, i](wv, sv, part, xb0 + (bt + i) * xstep, bias)
-        bt += DEPTH
+        bt += depth
     return part
 
 
 @always_inline
-def _lean_tile(
+def _lean_tile[
+    depth: Int = DEPTH
+](
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     e: Int,
@@ -821,27 +842,30 @@ def _lean_tile(
 ) -> SIMD[DType.float32, 4]:
     """One warp, one token: rows r0 .. r0 + 15 of expert e's matrix [rows,
     32 * nchunks] over its blocks kc0 .. kc0 + nloc - 1, times the bf16
-    activation row xrow (as pair words). sm (TILE_SCALES bytes) and xs
-    (LEAN_X_WORDS) are the warp's own shared memory. Returns the fragment of
-    rows g (c0, c1) and g + 8 (c2, c3), every column the token."""
+    activation row xrow (as pair words). sm (lean_scale_bytes(nloc)) and xs
+    (LEAN_X_WORDS) are the warp's own shared memory; a ring of depth batches
+    (depth - 1 in flight while one is decoded). Returns the fragment of rows
+    g (c0, c1) and g + 8 (c2, c3), every column the token."""
     var lane = Int(lane_id())
     var g = lane >> 2
     var q = lane & 3
     var nb = (nloc + 3) // 4
     var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
-    var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
-    var sv = Array[UInt32, RING](fill=0)
-    comptime for i in range(DEPTH - 1):
+    var wv = Array[SIMD[DType.uint32, 4], 2 * depth](fill=0)
+    var sv = Array[UInt32, 2 * depth](fill=0)
+    comptime for i in range(depth - 1):
         if i < nb:
             _load_batch[i](wv, rp[0], rp[1], kc0, nloc, i, q)
-    # While those fly: the tile's scales (and the scan for scales above
-    # LEAN_BIG_S) and this warp's part of x, both into shared memory.
-    var tile_bytes = min(16, rows - r0) * nchunks
-    var big = _stage_scales[LEAN_BIG_S](rp[4], tile_bytes, sm)
+    # While those fly: this warp's part of the tile's scales (the 32-byte
+    # block pairs its blocks kc0 .. kc0 + nloc - 1 lie in, with the scan for
+    # scales above LEAN_BIG_S) and its part of x, both into shared memory.
+    var s0 = (kc0 >> 1) * 32
+    var s_bytes = min(((kc0 + nloc + 1) >> 1) * 32, 16 * nchunks) - s0
+    var big = _stage_scales[LEAN_BIG_S](rp[4] + s0, s_bytes, sm)
     _stage_x_words(xrow, kc0, nloc, 4 * nb, xs)
-    var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
-    var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
-    comptime for i in range(DEPTH - 1):
+    var ss_g = sm + (Int(rp[2]) - Int(rp[4]) - s0)
+    var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]) - s0)
+    comptime for i in range(depth - 1):
         if i < nb:
             _read_scales[i](sv, ss_g, ss_g8, kc0, nloc, i, q)
     # B is block diagonal: lane (g, q) feeds column g = 2q with its block's x,
@@ -851,7 +875,7 @@ def _lean_tile(
     var xstep = 4 * LEAN_X_STRIDE if feeds else 0
     var part: SIMD[DType.float32, 2]
     if big:
-        var bias = _lean_bias(sm, tile_bytes)
+        var bias = _lean_bias(sm, s_bytes)
         part = _lean_loop[True](wv, sv, rp[0], rp[1], ss_g, ss_g8, kc0, nloc, xb0, xstep, bias)
         part *= _lean_rest(bias)
     else:
@@ -1153,8 +1177,9 @@ def _combine_partials[
         base += COMBINE_ROUND * threads
 
 
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(MAX_TOPK * DOWN_KSPLIT_FEW * 32)))
-# 2 blocks (16 warps) per SM: the 180 tiles of gpt-oss then run in one wave.
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(MAX_TOPK * _down1_ksplit(out_dtype) * 32)))
+# 2 blocks (24 warps for bf16, 16 for float32) per SM: the 180 tiles of gpt-oss
+# then run in one wave.
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(2))
 def down_one_token_kernel[
     out_dtype: DType
@@ -1172,14 +1197,14 @@ def down_one_token_kernel[
     inter_: Int64,
 ):
     """down + combine for a one-token step: a block per 16-row tile holds all
-    top_k experts (DOWN_KSPLIT_FEW warps each, over parts of I) and sums them
+    top_k experts (_down1_ksplit warps each, over parts of I) and sums them
     in shared memory in a fixed order (deterministic), so no partials reach
     global memory and no block waits on a counter. Warp w serves pair
-    w // DOWN_KSPLIT_FEW (expert ids[pair]; an invalid id adds nothing). A
+    w // _down1_ksplit (expert ids[pair]; an invalid id adds nothing). A
     bf16 output runs the lean tile (v25); a float32 one _tile16 on h's hi and
     lo words."""
     pdl_enter()
-    comptime ksplit = DOWN_KSPLIT_FEW
+    comptime ksplit = _down1_ksplit(out_dtype)
     comptime nw = MAX_TOPK * ksplit
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
@@ -1187,11 +1212,13 @@ def down_one_token_kernel[
     var inter = Int(inter_)
     comptime split = out_dtype != DType.bfloat16
     var red = stack_allocation[nw * 32 * 4, Float32, alignment=16, address_space=AddressSpace.SHARED]()
-    var sms = stack_allocation[nw * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
-    # bf16 output: the lean tile's staged h (none for f32, which keeps hi + lo)
+    # the warp's scales: the whole tile's for f32 (_tile16), its own part's for
+    # bf16, which also stages its part of h (the lean tile)
+    comptime sm_bytes = TILE_SCALES if split else _lean_scale_bytes(ksplit)
+    var sms = stack_allocation[nw * sm_bytes, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
     var xss = stack_allocation[0 if split else nw * _lean_x_words(ksplit), UInt32, alignment=16, address_space=AddressSpace.SHARED]()
     var w = Int(warp_id())
-    var sm = sms + w * TILE_SCALES
+    var sm = sms + w * sm_bytes
     var lane = Int(lane_id())
     var k = w // ksplit
     var kw = w % ksplit
@@ -1232,7 +1259,9 @@ def down_one_token_kernel[
             # h's row k as bf16 pair words, its blocks kc0 .. kc0 + nloc - 1
             # staged in the warp's xs
             var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter)
-            acc = _lean_tile(blocks, scales, e, hidden, r0, nchunks, kc0, nloc, hrow, sm, xss + w * _lean_x_words(ksplit))
+            acc = _lean_tile[DOWN1_DEPTH](
+                blocks, scales, e, hidden, r0, nchunks, kc0, nloc, hrow, sm, xss + w * _lean_x_words(ksplit)
+            )
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
@@ -1477,7 +1506,7 @@ def launch_down[
             output, h, ids, wts, blocks, scales, bias,
             Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
             grid_dim=(hidden + 15) // 16,
-            block_dim=MAX_TOPK * DOWN_KSPLIT_FEW * 32,
+            block_dim=MAX_TOPK * _down1_ksplit(out_dtype) * 32,
             attributes=pdl_attributes(True),
         )
     elif tokens <= FEW_TOKENS:
