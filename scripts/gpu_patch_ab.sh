@@ -1,0 +1,35 @@
+#!/bin/bash
+# A/B of a kernel patch against the tree it applies to, in one device call (docs/GPU.md; MAX
+# staged). With the patch applied: the MoE op's one-token GPU tests, then bench/moe.py at T = 1
+# (120b and 20b), alternating patched and unpatched ROUNDS times (the compile cache makes every
+# round after the first two quick). The tree is left as it was found.
+# Usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS (3)] [TESTS (-k expression, "" to skip)]
+set -u
+patch_file=${1:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
+out=${2:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
+rounds=${3:-3}
+tests=${4-gpu and (one_token or t64)}
+cd "$(dirname "$0")/.." || exit 1
+patch_file=$(realpath "$patch_file")
+mkdir -p "$out"
+patch -s -p1 --dry-run < "$patch_file" || { echo "the patch does not apply"; exit 1; }
+patch -s -p1 < "$patch_file"
+trap 'patch -s -R -p1 < "$patch_file" 2>/dev/null' EXIT
+t0=$(date +%s)
+rc=0
+if [ -n "$tests" ]; then
+  (cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider -s test_moe_op.py -k "$tests") > "$out/tests_patched.log" 2>&1 || rc=1
+  echo "tests (patched): $(tail -1 "$out/tests_patched.log")  $(( $(date +%s) - t0 )) s"
+fi
+applied=1
+for r in $(seq 1 "$rounds"); do
+  for side in patched main; do
+    if [ "$side" = main ] && [ "$applied" = 1 ]; then patch -s -R -p1 < "$patch_file"; applied=0; fi
+    if [ "$side" = patched ] && [ "$applied" = 0 ]; then patch -s -p1 < "$patch_file"; applied=1; fi
+    timeout 150 python3 bench/moe.py --models 120b,20b --tokens 1 --no-stock --checks 1 --reps 12 \
+      --out "$out/${side}_$r" 2>&1 | grep -E "^ *(120b|20b) |rror|FAIL"
+    echo "$side round $r: $(( $(date +%s) - t0 )) s"
+  done
+done
+if [ "$applied" = 0 ]; then trap - EXIT; fi
+exit "$rc"
