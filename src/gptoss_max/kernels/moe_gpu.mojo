@@ -842,9 +842,10 @@ def _lean_tile[
 ) -> SIMD[DType.float32, 4]:
     """One warp, one token: rows r0 .. r0 + 15 of expert e's matrix [rows,
     32 * nchunks] over its blocks kc0 .. kc0 + nloc - 1, times the bf16
-    activation row xrow (as pair words). sm (lean_scale_bytes(nloc)) and xs
-    (LEAN_X_WORDS) are the warp's own shared memory; a ring of depth batches
-    (depth - 1 in flight while one is decoded). Returns the fragment of rows
+    activation row xrow (as pair words). sm (_lean_scale_bytes(ks) bytes,
+    when ks warps split K) and xs (_lean_x_words(ks) words) are the warp's own
+    shared memory; a ring of depth batches (depth - 1 in flight while one is
+    decoded). Returns the fragment of rows
     g (c0, c1) and g + 8 (c2, c3), every column the token."""
     var lane = Int(lane_id())
     var g = lane >> 2
