@@ -13,23 +13,22 @@ cd "$(dirname "$0")/.." || exit 1
 patch_file=$(realpath "$patch_file")
 mkdir -p "$out"
 patch -s -p1 --dry-run < "$patch_file" || { echo "the patch does not apply"; exit 1; }
-patch -s -p1 < "$patch_file"
-trap 'patch -s -R -p1 < "$patch_file" 2>/dev/null' EXIT
+patch -s --no-backup-if-mismatch -p1 < "$patch_file"
+applied=1
+trap '[ "$applied" = 1 ] && patch -s --no-backup-if-mismatch -R -p1 < "$patch_file"' EXIT
 t0=$(date +%s)
 rc=0
 if [ -n "$tests" ]; then
   (cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider -s test_moe_op.py -k "$tests") > "$out/tests_patched.log" 2>&1 || rc=1
   echo "tests (patched): $(tail -1 "$out/tests_patched.log")  $(( $(date +%s) - t0 )) s"
 fi
-applied=1
 for r in $(seq 1 "$rounds"); do
   for side in patched main; do
-    if [ "$side" = main ] && [ "$applied" = 1 ]; then patch -s -R -p1 < "$patch_file"; applied=0; fi
-    if [ "$side" = patched ] && [ "$applied" = 0 ]; then patch -s -p1 < "$patch_file"; applied=1; fi
+    if [ "$side" = main ] && [ "$applied" = 1 ]; then patch -s --no-backup-if-mismatch -R -p1 < "$patch_file"; applied=0; fi
+    if [ "$side" = patched ] && [ "$applied" = 0 ]; then patch -s --no-backup-if-mismatch -p1 < "$patch_file"; applied=1; fi
     timeout 150 python3 bench/moe.py --models 120b,20b --tokens 1 --no-stock --checks 1 --reps 12 \
       --out "$out/${side}_$r" 2>&1 | grep -E "^ *(120b|20b) |rror|FAIL"
     echo "$side round $r: $(( $(date +%s) - t0 )) s"
   done
 done
-if [ "$applied" = 0 ]; then trap - EXIT; fi
 exit "$rc"

@@ -678,10 +678,15 @@ comptime LEAN_MIN_WARPS = 22  # resident warps per SM the registers are held to
 comptime LEAN_X_STRIDE = 20
 
 
+def _lean_blocks(ks: Int) -> Int:
+    """The most K blocks one warp takes when ks warps split K."""
+    return (MAX_K_BLOCKS + ks - 1) // ks
+
+
 def _lean_x_words(ks: Int) -> Int:
     """u32 words of a warp's staged x when ks warps split K: its blocks,
     rounded up to whole batches, then the zero block."""
-    return (((MAX_K_BLOCKS + ks - 1) // ks + 3) // 4 * 4 + 1) * LEAN_X_STRIDE
+    return ((_lean_blocks(ks) + 3) // 4 * 4 + 1) * LEAN_X_STRIDE
 
 
 comptime LEAN_X_WORDS = _lean_x_words(max(LEAN_KS, 1))
@@ -690,7 +695,7 @@ comptime LEAN_X_WORDS = _lean_x_words(max(LEAN_KS, 1))
 def _lean_scale_bytes(ks: Int) -> Int:
     """Bytes of a warp's staged scales when ks warps split K: the 32-byte
     block pairs its blocks can touch."""
-    return (((MAX_K_BLOCKS + ks - 1) // ks + 1) // 2 + 1) * 32
+    return ((_lean_blocks(ks) + 1) // 2 + 1) * 32
 
 # independent mma accumulator chains per batch (1, 2, 4 or 8: 8 mmas a batch)
 comptime LEAN_CHAINS = 2
@@ -923,8 +928,10 @@ def gate_up_lean_kernel[
     var w = Int(warp_id())
     var lane = Int(lane_id())
     var tid = Int(thread_idx.x)
-    var sms = stack_allocation[KS * TILE_SCALES, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
-    var sm = sms + w * TILE_SCALES
+    # each warp stages only its part of the tile's scales (_lean_tile)
+    comptime sm_bytes = _lean_scale_bytes(KS)
+    var sms = stack_allocation[KS * sm_bytes, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    var sm = sms + w * sm_bytes
     var xss = stack_allocation[KS * LEAN_X_WORDS, UInt32, alignment=16, address_space=AddressSpace.SHARED]()
     var xs = xss + w * LEAN_X_WORDS
     var red = stack_allocation[KS * 128, Float32, alignment=16, address_space=AddressSpace.SHARED]()
