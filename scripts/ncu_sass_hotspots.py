@@ -10,6 +10,8 @@ sample count it sorts by is the first column whose name holds "Sampling" and "Al
 on a line is shown with it. A report of several kernels prints one table per kernel: ncu 2025
 writes a `"Kernel Name","<name>",` line before each kernel's table, older ones a "Kernel Name" (or
 "Function Name") column. It prints the columns it found first, so a new schema shows itself.
+Where the page has an "Instructions Executed" column it also prints, per kernel, how many warp
+instructions and stall samples lie outside its loops (lines run at most 1.5 times per warp).
 Used on the device by scripts/gpu_moe_profile.sh (issue 4: where the one-token MoE kernels wait).
 """
 
@@ -91,6 +93,32 @@ def hotspots(text: str, top: int) -> tuple[list[str], dict[str, list[dict]]]:
     return fields, out
 
 
+def loop_split(text: str) -> dict[str, dict[str, float]]:
+    """Per kernel with an "Instructions Executed" column: its warps (the count of its first line,
+    which every warp runs once), its warp instructions and stall samples, and the part of each on
+    lines outside its loops (lines run at most 1.5 times per warp: prologue and epilogue)."""
+    out: dict[str, dict[str, float]] = {}
+    for kernel, rows in _sections(text):
+        fields = [f for f in rows[0].keys() if isinstance(f, str)] if rows else []
+        col = sample_column(fields)
+        if "Instructions Executed" not in fields or col is None:
+            continue
+        execd = [_number(r.get("Instructions Executed") or "") or 0.0 for r in rows]
+        samples = [_number(r.get(col) or "") or 0.0 for r in rows]
+        warps = execd[0]
+        if not warps:
+            continue
+        outside = [i for i, n in enumerate(execd) if n <= 1.5 * warps]
+        out[kernel] = {
+            "warps": warps,
+            "instructions": sum(execd),
+            "outside_instructions": sum(execd[i] for i in outside),
+            "samples": sum(samples),
+            "outside_samples": sum(samples[i] for i in outside),
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output ('-': standard input)")
@@ -107,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         for i in items:
             reasons = ", ".join(f"{k} {v:g}" for k, v in sorted(i["stalls"].items(), key=lambda kv: -kv[1])[:4])
             print(f"{i['share']:6.1%} {i['samples']:8g}  {i['address']:>6}  {i['source'][:60]:60s}  {reasons}")
+    for kernel, v in loop_split(text).items():
+        per_warp = v["instructions"] / v["warps"]
+        print(
+            f"\n{kernel or '(one kernel)'}: {v['warps']:g} warps, {per_warp:.0f} warp instructions per warp,"
+            f" {v['outside_instructions'] / v['warps']:.0f} of them outside loops, holding"
+            f" {v['outside_samples'] / max(v['samples'], 1):.0%} of the stall samples"
+        )
     return 0
 
 

@@ -64,3 +64,24 @@ def test_reads_one_table_per_kernel():
     assert [i["address"] for i in found["gate_up"]] == ["0x10"]
     assert found["gate_up"][0]["stalls"] == {"stall_long_sb": 275.0}  # not its "(Not Issued)" twin
     assert found["down"][0]["samples"] == 9.0
+
+
+def test_splits_instructions_and_samples_at_the_loops():
+    mod = load_script("scripts/ncu_sass_hotspots.py", "ncu_sass_hotspots")
+    header = f'"Address","Source",{ALL},"Instructions Executed"'
+    # 4 warps: the entry line runs once per warp, the loop line 10 times, the exit once
+    text = f""""Kernel Name","k",
+{header}
+"0x10","LDC R1, c[0x0][0x28]","2","2","4"
+"0x20","HMMA.16816.F32.BF16 R8, R4, R6, RZ","6","5","40"
+"0x30","EXIT","2","2","4"
+"""
+    got = mod.loop_split(text)["k"]
+    assert got == {
+        "warps": 4.0,
+        "instructions": 48.0,
+        "outside_instructions": 8.0,
+        "samples": 10.0,
+        "outside_samples": 4.0,
+    }
+    assert mod.loop_split(CSV) == {}  # no "Instructions Executed" column: nothing to split
