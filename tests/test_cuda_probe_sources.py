@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,35 @@ def test_mma_subnormal_probe_cases_tell_exact_from_flushed():
         a_bits, b_bits, exact, flushed = probe.make_case(rng, kind, a_pow, b_pow)
         assert a_bits.shape == (16, 16) and b_bits.shape == (16, 8) and a_bits.dtype == np.uint16
         assert not np.array_equal(exact, flushed)
+
+
+def test_pdl_prewait_probe_kernels_compile(nvrtc):
+    """pdl_prewait_probe.cu's kernels (its host part is left out under NVRTC): each stand-in waits
+    for the previous grid, then lets the next one launch; only the down stand-in has a path that
+    loads before its wait."""
+    ok, log, ptx = nvrtc((SCRIPTS / "pdl_prewait_probe.cu").read_text(), "pdl_prewait_probe.cu", {})
+    assert ok, log
+    bodies = {}
+    for name in ("k_stream1", "k_stream2", "k_head"):
+        start = re.search(rf"\.entry _Z\d+{name}", ptx).start()  # C++ names, mangled
+        end = ptx.find(".entry", start + 1)
+        bodies[name] = ptx[start : end if end > 0 else len(ptx)]
+    for name, body in bodies.items():
+        wait = body.index("griddepcontrol.wait")
+        assert wait < body.index("griddepcontrol.launch_dependents"), name
+        if name != "k_stream2":
+            assert wait < body.index("ld.global"), name
+    down = bodies["k_stream2"]
+    assert down.count("griddepcontrol.wait") == 2 and down.index("ld.global.nc") < down.rindex("griddepcontrol.wait")
+
+
+def test_pdl_prewait_probe_table_compares_each_pre_wait_row_with_its_twin():
+    probe = load_script("scripts/pdl_prewait_probe.py", "pdl_prewait_probe")
+    row = {"head": 1, "graph": 1, "pdl": 1, "min_us": 0.0, "max_us": 99.0}
+    result = {
+        "device": "GPU",
+        "layers": 24,
+        "rows": [{**row, "pre": 0, "us_per_layer": 40.0}, {**row, "pre": 1, "us_per_layer": 55.5}],
+    }
+    lines = probe.table(result).splitlines()
+    assert lines[-2].split()[-2:] == ["40.00", "0.00-99.00"] and lines[-1].rstrip().endswith("+15.50")

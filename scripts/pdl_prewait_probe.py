@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Does a kernel that loads before its griddepcontrol.wait slow a CUDA-graph-replayed chain?
+
+A diagnostic for issues 4 and 9, not a product kernel. Twice a kernel of ours that issued
+loads of data the previous grid does not write before its `griddepcontrol.wait` was faster in
+bench/moe.py (which launches without CUDA graphs) but slower end to end, where decode steps
+replay as CUDA graphs: the qkv head and the attention on the H100 (2026-11-23, -11 % at 20b
+batch 1) and the routed one-token down on the H200 (2026-11-29, v26, -15 %). This probe takes
+MAX and our kernels out of it: `scripts/pdl_prewait_probe.cu` chains, 24 times, stand-ins for a
+layer's gate_up, down and next qkv head (weight streams of the same sizes, grids and
+occupancy; bench/NOTES.md has the shapes), with the down's first loads before or after its
+wait, launched on a stream or replayed as a graph, with and without PDL, and with and without
+the head after the down. A pathology of pre-wait loads under graphs shows as `pre` 1 slower
+than 0 in the graph rows only.
+
+Builds the probe with nvcc for sm_90a, runs it, prints a table and writes
+<out>/pdl_prewait_probe_<gpu>_<yyyymmdd>.json. Needs nvcc and an sm_90 GPU (not MAX or torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from probe_common import write_result  # noqa: E402
+
+SOURCE = HERE / "pdl_prewait_probe.cu"
+
+
+def build(work: Path, nvcc: str = "nvcc") -> Path:
+    exe = work / "pdl_prewait_probe"
+    subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", str(SOURCE), "-o", str(exe)], check=True)
+    return exe
+
+
+def table(result: dict) -> str:
+    """The probe's rows as a table, with each pre-wait row's change against its wait-first twin."""
+    rows = result["rows"]
+    base = {(r["head"], r["graph"], r["pdl"]): r["us_per_layer"] for r in rows if not r["pre"]}
+    lines = [
+        f"{result['device']}, {result['layers']} layers; µs per layer (median; min-max)",
+        f"{'head':>4s} {'launch':>6s} {'pdl':>3s} {'down':>10s} {'µs':>8s} {'range':>15s} {'vs wait-first':>14s}",
+    ]
+    for r in rows:
+        twin = base.get((r["head"], r["graph"], r["pdl"]))
+        delta = f"{r['us_per_layer'] - twin:+.2f}" if r["pre"] and twin is not None else ""
+        lines.append(
+            f"{'yes' if r['head'] else 'no':>4s} {'graph' if r['graph'] else 'stream':>6s} "
+            f"{'on' if r['pdl'] else 'off':>3s} {'pre-wait' if r['pre'] else 'wait first':>10s} "
+            f"{r['us_per_layer']:8.2f} {r['min_us']:7.2f}-{r['max_us']:<7.2f} {delta:>14s}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results", help="directory for the JSON (default: bench/results)")
+    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--runs", type=int, default=2, help="runs of the whole probe (each times every variant)")
+    args = ap.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build(Path(tmp), args.nvcc)
+        for _ in range(args.runs):
+            out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+            results.append(json.loads(out))
+    for res in results:
+        print(table(res))
+    path = write_result(
+        args.out, "pdl_prewait_probe", results[0]["device"], "pdl_prewait_probe.py", argv, {"runs": results}
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
