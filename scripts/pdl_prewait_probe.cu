@@ -16,8 +16,8 @@
 // pre-wait loads, if any) and is launched with programmatic stream serialization when `pdl`.
 // Timed: the chain launched on a stream, and the same chain captured once as a CUDA graph and
 // replayed; CUDA events, median of REPS.
-// The kernels compile under NVRTC too (tests/test_cuda_probe_sources.py); the host part is
-// left out there.
+// tests/test_cuda_probe_sources.py compiles the kernels with NVRTC (the host part left out) and
+// checks the host part with g++ (-DPROBE_HOST_CHECK: the kernels as declarations).
 #ifndef __CUDACC_RTC__
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -52,6 +52,11 @@ typedef unsigned long size_t;
 #define PRE_LOADS 2
 #define REPS 15
 
+#ifdef PROBE_HOST_CHECK  // tests: the host part alone, by g++ against the CUDA runtime's headers
+__global__ void k_stream1(const uint4* __restrict__ w, const float* __restrict__ x, float* h);
+__global__ void k_stream2(const uint4* __restrict__ w, const float* h, float* out, int pre);
+__global__ void k_head(const uint4* __restrict__ w, const float* out, float* x);
+#else
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
@@ -137,6 +142,8 @@ __global__ void __launch_bounds__(T3, 1) k_head(const uint4* __restrict__ w, con
     if (threadIdx.x == 0) x[blockIdx.x & 255] = (float)(sm3[0] & 1023);
 }
 
+#endif
+
 #ifndef __CUDACC_RTC__
 struct Bufs {
     uint4 *w1, *w2, *w3;
@@ -189,8 +196,8 @@ int main() {
     CK(cudaMalloc(&b.h, G1 * (T1 / 32) * sizeof(float)));
     CK(cudaMalloc(&b.out, G2 * sizeof(float)));
     CK(cudaMemset(b.x, 0, 256 * sizeof(float)));
-    CK(cudaFuncSetAttribute(k_stream2, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM2));
-    CK(cudaFuncSetAttribute(k_head, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM3));
+    CK(cudaFuncSetAttribute((const void*)k_stream2, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM2));
+    CK(cudaFuncSetAttribute((const void*)k_head, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM3));
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;

@@ -145,3 +145,27 @@ def test_pdl_prewait_probe_table_compares_each_pre_wait_row_with_its_twin():
     }
     lines = probe.table(result).splitlines()
     assert lines[-2].split()[-2:] == ["40.00", "0.00-99.00"] and lines[-1].rstrip().endswith("+15.50")
+
+
+def test_pdl_prewait_probe_host_code_compiles(tmp_path):
+    """The probe's host part (launches with the PDL attribute, stream capture, graph replay) against
+    the CUDA runtime's headers (the nvidia-cuda-runtime-cu12 and -nvcc-cu12 wheels, test dependencies), by g++ with
+    the kernels as declarations: nvcc itself is only on the GPU machine."""
+    import shutil
+    import subprocess
+
+    includes = []
+    for wheel in ("cuda_runtime", "cuda_nvcc"):  # the runtime's headers include nvcc's crt/
+        spec = importlib.util.find_spec(f"nvidia.{wheel}")
+        assert spec is not None, f"the nvidia-{wheel.replace('_', '-')}-cu12 wheel (pyproject's test extras) is missing"
+        includes.append(f"-I{Path(next(iter(spec.submodule_search_locations))) / 'include'}")
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is needed (.ci/run installs it)"
+    src = tmp_path / "host.cpp"
+    src.write_text((SCRIPTS / "pdl_prewait_probe.cu").read_text())
+    cmd = [gxx, "-std=c++17", "-fsyntax-only", "-DPROBE_HOST_CHECK", *includes, str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # and it does report an error in that part
+    src.write_text(src.read_text().replace("cudaGraphLaunch(exec, s)", "cudaGraphLaunch(exec, s, s)"))
+    assert subprocess.run(cmd, capture_output=True, text=True).returncode != 0
