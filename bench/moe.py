@@ -142,11 +142,13 @@ def distinct_experts(ids) -> int:
 # ---------------------------------------------------------------- MAX graphs
 
 
-def build_ours(layers: int, n_sets: int, device_ref, path_input: bool = False):
+def build_ours(layers: int, n_sets: int, device_ref, path_input: bool = False, fused: bool = False):
     """x -> layers chained MoE layers; layer i reads expert set i % n_sets and
     its own routing. Symbolic T and E: one compile serves every shape. With
     `path_input`, the first input is a CPU int32 scalar: the op's GPU kernel
-    path (ops.PATH_*), so one compile also serves every path and tile config."""
+    path (ops.PATH_*), so one compile also serves every path and tile config.
+    With `fused`, each layer is ops.moe_mxfp4_one_token (T = 1 only), all
+    sharing the last input, its zeroed sync words."""
     from max.dtype import DType
     from max.graph import DeviceRef, Graph, TensorType
 
@@ -165,17 +167,23 @@ def build_ours(layers: int, n_sets: int, device_ref, path_input: bool = False):
     for _ in range(layers):
         types += [t(DType.int32, ["T", TOP_K]), t(DType.float32, ["T", TOP_K])]
     types += set_types * n_sets
+    if fused:
+        types += [t(DType.uint32, [moe_ops.ONE_TOKEN_SYNC_WORDS])]
 
     def forward(*args):
         path = args[0] if path_input else moe_ops.PATH_AUTO
         x, *rest = args[1:] if path_input else args
+        sync = rest.pop() if fused else None
         routes, sets = rest[: 2 * layers], rest[2 * layers :]
         for layer in range(layers):
             s = sets[6 * (layer % n_sets) : 6 * (layer % n_sets) + 6]
-            x = moe_ops.moe_mxfp4(x, routes[2 * layer], routes[2 * layer + 1], *s, path=path)
+            if sync is not None:
+                x = moe_ops.moe_mxfp4_one_token(x, routes[2 * layer], routes[2 * layer + 1], *s, sync)
+            else:
+                x = moe_ops.moe_mxfp4(x, routes[2 * layer], routes[2 * layer + 1], *s, path=path)
         return x
 
-    name = "moe_prefill" if path_input else "moe_ours"
+    name = "moe_prefill" if path_input else "moe_fused" if fused else "moe_ours"
     return Graph(f"{name}_{layers}x{n_sets}", forward=forward, input_types=types)
 
 
@@ -332,15 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stock", action="store_true", help="skip MAX's stock dequant step")
     ap.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fused", action="store_true",
+                    help="time the fused one-token launch (ops.moe_mxfp4_one_token) instead; T = 1 only")  # fmt: skip
     args = ap.parse_args(argv)
 
     import torch
     from max.driver import Buffer
     from max.dtype import DType
 
-    gpu = open_gpu(torch, "bench/moe.py")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.fused and token_counts != [1]:
+        ap.error("--fused times one-token steps: pass --tokens 1")
+    gpu = open_gpu(torch, "bench/moe.py")
+    from gptoss_max.kernels.ops import ONE_TOKEN_SYNC_WORDS
     gpu_name, session, dref, timer = gpu.gpu_name, gpu.session, gpu.dref, gpu.timer
 
     def buf(t):
@@ -351,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     small, big = 1, 1 + args.chain
-    g_small = session.load(build_ours(small, args.sets, dref))
-    g_big = session.load(build_ours(big, args.sets, dref))
+    g_small = session.load(build_ours(small, args.sets, dref, fused=args.fused))
+    g_big = session.load(build_ours(big, args.sets, dref, fused=args.fused))
     compile_s = time.perf_counter() - t0
     print(f"compiled our graphs in {compile_s:.0f} s", flush=True)
     g_stock = None
@@ -367,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         experts = MODELS[model]
         sets = [make_set(torch, experts, HIDDEN, INTER, gen, "cuda") for _ in range(args.sets)]
         set_bufs = [buf(tn) for s in sets for tn in s.tensors()]
+        if args.fused:  # the sync words after the sets (zero; each launch leaves them zero)
+            sync = torch.zeros(ONE_TOKEN_SYNC_WORDS, dtype=torch.int32, device="cuda")
+            set_bufs.append(buf(sync).view(DType.uint32, [ONE_TOKEN_SYNC_WORDS]))
         torch.cuda.synchronize()
 
         stock_us = None
@@ -418,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                 "distinct_experts": round(mean_bytes / expert_bytes(), 1),
                 "rel_err": float(f"{worst:.3g}"),
                 "correct": ok,
+                "fused": args.fused,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

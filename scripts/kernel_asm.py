@@ -65,6 +65,38 @@ def build_ptx(specs: list[str], work: Path) -> dict[str, str]:
     return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
+def wheel_ptxas() -> str | None:
+    """ptxas of the `nvidia-cuda-nvcc-cu12` wheel (the test extras), if installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "ptxas"
+    return str(path) if path.is_file() else None
+
+
+def ptxas_info(ptx: str, ptxas: str, work: Path) -> dict[str, int]:
+    """ptxas -v for sm_90a of one kernel's PTX: registers, spill stores / loads (bytes), stack
+    frame (bytes). Raises on a ptxas error."""
+    src = work / "k.ptx"
+    src.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(work / "k.cubin")],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        raise RuntimeError("ptxas failed:\n" + r.stderr[-2000:])
+    info = {}
+    for key, pattern in (
+        ("registers", r"Used (\d+) registers"),
+        ("spill_stores", r"(\d+) bytes spill stores"),
+        ("spill_loads", r"(\d+) bytes spill loads"),
+        ("stack", r"(\d+) bytes stack frame"),
+    ):
+        m = re.search(pattern, r.stderr)
+        info[key] = int(m.group(1)) if m else 0
+    return info
+
+
 def opcode_counts(sass: str) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
     for line in sass.splitlines():
@@ -107,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("kernels", nargs="+",
                     help="module.function[params], e.g. 'moe_gpu.gate_up_kernel[DType.bfloat16, 2, True]'")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True, help="directory for the .ptx (and .cubin, .sass) files")
-    ap.add_argument("--ptxas", help="ptxas binary: registers, spills and shared memory per kernel")
+    ap.add_argument("--ptxas", default=wheel_ptxas(),
+                    help="ptxas binary: registers, spills and shared memory per kernel (default: the "
+                    "nvidia-cuda-nvcc-cu12 wheel's, from the test extras)")  # fmt: skip
     ap.add_argument("--nvdisasm", help="nvdisasm binary (needs --ptxas): SASS and its opcode counts")
     ap.add_argument("--loops", action="store_true",
                     help="with --nvdisasm: also the opcode counts of every mma loop (HMMA, HGMMA)")  # fmt: skip

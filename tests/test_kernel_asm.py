@@ -171,3 +171,31 @@ def test_loops_count_the_body_of_each_mma_loop(asm):
     assert counts == {"LDG": 1, "HMMA": 1, "IMAD": 1, "BRA": 1}
     assert wg == (".L_x_3", {"HGMMA": 1, "BRA": 1})
     assert asm.loops(sass, needs=("HMMA",)) == [got]
+
+
+def test_ptx_of_the_fused_one_token_moe(asm, tmp_path):
+    """v27 (moe_fused_gpu.mojo, a probe): gate_up and down of a one-token step in one grid of
+    12-warp blocks, two per SM, with no spill (ptxas of the test extras' nvcc wheel); blocks take
+    tickets, gate_up blocks count their tiles, down warps spin on their expert's count and then
+    read h past L1; the last block resets the counters."""
+    specs = ["moe_fused_gpu.moe_one_token_kernel[0]", "moe_fused_gpu.moe_one_token_kernel[4]"]
+    ptx = asm.build_ptx(specs, tmp_path)
+    plain, routed = ptx.values()
+    ptxas = asm.wheel_ptxas()
+    assert ptxas, "the nvidia-cuda-nvcc-cu12 wheel (test extras) holds ptxas"
+    for spec, k in ptx.items():
+        info = asm.ptxas_info(k, ptxas, tmp_path)
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (spec, info)
+        assert info["registers"] <= 65536 // (2 * 384), (spec, info)  # two blocks per SM
+        body = k[k.index(".entry") :]
+        assert ".maxntid 384" in k and ".minnctapersm 2" in k
+        wait = body.index("griddepcontrol.wait")
+        first = min(i for i in map(body.find, ("ld.global", "st.global", "cp.async", "atom.")) if i >= 0)
+        assert wait < first, spec
+        # the ticket, up to 6 tiles' counts and the finished count
+        assert body.count("atom.") == 8 and "add.u32" in body[body.index("atom.") :]
+        # the down warps: a volatile spin on one word, then h by four volatile 16-byte loads
+        assert body.count("ld.volatile.global.v4") == 4 and body.count("ld.volatile.global.b32") == 1, spec
+        assert "membar.gl" in body or "fence.sc.gpu" in body or "fence.acq_rel.gpu" in body
+        assert body.count("mma.sync.aligned.m16n8k16") >= 16  # two lean tiles' loops (8 mma each)
+    assert "redux.sync.max.u32" in routed and "redux.sync" not in plain

@@ -664,3 +664,64 @@ def test_moe_mxfp4_outputs_ignore_what_their_memory_held(target: Target, routed:
         if differ:
             failures.append((tokens, experts, width, routing, differ))
     assert not failures, f"(tokens, experts, width, routing, fills that change the outputs): {failures}"
+
+
+@pytest.fixture(scope="module")
+def one_token_model(target: Target):
+    """ops.moe_mxfp4_one_token (the fused one-token launch, a GPU probe) on bf16(x)."""
+    from max.dtype import DType
+    from max.graph import TensorType
+    from max.graph import ops as gops
+
+    from gptoss_max.kernels import ops
+
+    dev = target.ref
+    u8, f32 = DType.uint8, DType.float32
+    types = _routing_types(dev) + [
+        TensorType(u8, ["E", "R", "Hb"], dev),
+        TensorType(u8, ["E", "R", "Hs"], dev),
+        TensorType(f32, ["E", "R"], dev),
+        TensorType(u8, ["E", "H", "Ib"], dev),
+        TensorType(u8, ["E", "H", "Is"], dev),
+        TensorType(f32, ["E", "H"], dev),
+        TensorType(DType.uint32, [ops.ONE_TOKEN_SYNC_WORDS], dev),
+    ]
+
+    def forward(x, ids, w, *rest):
+        out = ops.moe_mxfp4_one_token(gops.cast(x, DType.bfloat16), ids, w, *rest)
+        return gops.cast(out, f32)
+
+    return target.compile("moe_mxfp4_one_token", forward, types)
+
+
+ONE_TOKEN_FUSED_CASES = [c for c in CASES if c.tokens == 1 and c.top_k <= 4]
+
+
+@pytest.mark.parametrize("case", ONE_TOKEN_FUSED_CASES, ids=lambda c: c.name)
+def test_moe_mxfp4_one_token_fused(case: Case, target: Target, one_token_model, record_property) -> None:
+    """The fused one-token launch (gate_up and down in one grid, the down's warps waiting on
+    counters for their expert's h) against the reference, twice on the same sync words (the
+    launch must leave them zero); on the CPU the op says it is GPU only."""
+    x, ids, w, gate_up, gu_bias, down, down_bias = _make_inputs(case)
+    gub, gus = mxfp4.encode(gate_up)
+    db, ds = mxfp4.encode(down)
+    gub = gub.reshape(*gus.shape[:-1], -1)
+    db = db.reshape(*ds.shape[:-1], -1)
+    gub_t, gus_t = mxfp4.tile_for_op(gub, gus)
+    db_t, ds_t = mxfp4.tile_for_op(db, ds)
+    from gptoss_max.kernels import ops
+
+    sync = np.zeros(ops.ONE_TOKEN_SYNC_WORDS, np.uint32)
+    args = (x, ids, w, gub_t, gus_t, gu_bias, db_t, ds_t, down_bias, sync)
+    if target.name != "gpu":
+        with pytest.raises(Exception, match="GPU only"):
+            target.run(one_token_model, *args)
+        return
+    from max.driver import CPU, Buffer
+
+    bufs = [Buffer.from_numpy(np.ascontiguousarray(a)).to(target.device) for a in args]
+    ref = reference.moe_mxfp4(reference.round_to_bf16(x), ids, w, gub, gus, gu_bias, db, ds, down_bias)
+    for run in range(2):
+        out = one_token_model.execute(*bufs)[0].to(CPU()).to_numpy()
+        _check(case, f"gpu fused/bf16 run {run}", out, ref, BF16_REL_TOL, record_property)
+    assert not bufs[-1].to(CPU()).to_numpy().any(), "the launch left its sync words non-zero"

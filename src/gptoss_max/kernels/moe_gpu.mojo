@@ -189,14 +189,16 @@ comptime A_WORDS_SPLIT = 3  # h as hi words, then lo words
 
 @always_inline
 def _load_a[
-    mode: Int
+    mode: Int, volatile: Bool = False
 ](arow: Pointer[UInt32, _], lo_off: Int, c: Int) -> Tuple[SIMD[DType.uint32, 16], SIMD[DType.uint32, 16]]:
+    """volatile (A_BF16 only): loads that see what other blocks of the same
+    launch wrote (after their fence and counter)."""
     var hi = SIMD[DType.uint32, 16](0)
     var lo = SIMD[DType.uint32, 16](0)
     comptime if mode == A_BF16:
         comptime for w in range(4):
             # pair words j of elements 32c + 8w ...: decode index 4j + w
-            var v = arow.unsafe_load[width=4, alignment=16](c * 16 + w * 4)
+            var v = arow.unsafe_load[width=4, alignment=16, volatile=volatile](c * 16 + w * 4)
             comptime for j in range(4):
                 hi[4 * j + w] = v[j]
     elif mode == A_F32:
@@ -706,7 +708,7 @@ comptime SharedU32 = Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSp
 
 
 @always_inline
-def _stage_x_words(xrow: Pointer[UInt32, _], c0: Int, nloc: Int, nslots: Int, xs: SharedU32):
+def _stage_x_words[volatile: Bool = False](xrow: Pointer[UInt32, _], c0: Int, nloc: Int, nslots: Int, xs: SharedU32):
     """Warp-wide: x blocks c0 .. c0 + nloc - 1 (bf16, natural order) times
     2^LEAN_X_POW into xs as decode-ordered pair words (LEAN_X_STRIDE per
     block), zero blocks after them up to nslots (the clamped weight blocks
@@ -717,7 +719,7 @@ def _stage_x_words(xrow: Pointer[UInt32, _], c0: Int, nloc: Int, nslots: Int, xs
     for j in range(Int(lane_id()), nslots + 1, 32):
         var hi = SIMD[DType.uint32, 16](0)
         if j < nloc:
-            hi = _load_a[A_BF16](xrow, 0, c0 + j)[0]
+            hi = _load_a[A_BF16, volatile](xrow, 0, c0 + j)[0]
         var d = xs + j * LEAN_X_STRIDE
         comptime for v4 in range(4):
             var v = SIMD[DType.uint32, 4](0)
@@ -829,9 +831,22 @@ def _lean_loop[
     return part
 
 
+comptime WAIT_NONE = 0
+comptime WAIT_FLAG = 1  # spin until flag[0] >= target (moe_fused_gpu: h from other blocks)
+
+
+@always_inline
+def _wait_flag(flag: Pointer[UInt32, MutAnyOrigin], target: UInt32):
+    """Warp-wide: spin until flag[0] >= target, then a fence, so that what
+    the blocks that counted wrote before their own fence is visible."""
+    while flag.unsafe_load[volatile=True](0) < target:
+        pass
+    threadfence()
+
+
 @always_inline
 def _lean_tile[
-    depth: Int = DEPTH
+    depth: Int = DEPTH, wait: Int = WAIT_NONE
 ](
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
@@ -844,13 +859,16 @@ def _lean_tile[
     xrow: Pointer[UInt32, _],
     sm: SharedU8,
     xs: SharedU32,
+    flag: Pointer[UInt32, MutAnyOrigin],
+    target: UInt32,
 ) -> SIMD[DType.float32, 4]:
     """One warp, one token: rows r0 .. r0 + 15 of expert e's matrix [rows,
     32 * nchunks] over its blocks kc0 .. kc0 + nloc - 1, times the bf16
     activation row xrow (as pair words). sm (_lean_scale_bytes(ks) bytes,
     when ks warps split K) and xs (_lean_x_words(ks) words) are the warp's own
     shared memory; a ring of depth batches (depth - 1 in flight while one is
-    decoded). Returns the fragment of rows
+    decoded). wait (flag, target): see the staging of x below; flag is not
+    read with WAIT_NONE. Returns the fragment of rows
     g (c0, c1) and g + 8 (c2, c3), every column the token."""
     var lane = Int(lane_id())
     var g = lane >> 2
@@ -868,7 +886,11 @@ def _lean_tile[
     var s0 = (kc0 >> 1) * 32
     var s_bytes = min(((kc0 + nloc + 1) >> 1) * 32, 16 * nchunks) - s0
     var big = _stage_scales[LEAN_BIG_S](rp[4] + s0, s_bytes, sm)
-    _stage_x_words(xrow, kc0, nloc, 4 * nb, xs)
+    # wait: WAIT_FLAG (xrow written by other blocks of this launch): only now
+    # wait for them (flag, target), then read xrow past L1
+    comptime if wait == WAIT_FLAG:
+        _wait_flag(flag, target)
+    _stage_x_words[wait == WAIT_FLAG](xrow, kc0, nloc, 4 * nb, xs)
     var ss_g = sm + (Int(rp[2]) - Int(rp[4]) - s0)
     var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]) - s0)
     comptime for i in range(depth - 1):
@@ -962,7 +984,7 @@ def gate_up_lean_kernel[
                 bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane
             )
     async_copy_commit_group()
-    var acc = _lean_tile(blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs)
+    var acc = _lean_tile(blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs, counters, 0)
     comptime if KS > 1:
         (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
@@ -1267,8 +1289,9 @@ def down_one_token_kernel[
             # h's row k as bf16 pair words, its blocks kc0 .. kc0 + nloc - 1
             # staged in the warp's xs
             var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter)
+            var unused = output.unsafe_bitcast[UInt32]()  # WAIT_NONE: not read
             acc = _lean_tile[DOWN1_DEPTH](
-                blocks, scales, e, hidden, r0, nchunks, kc0, nloc, hrow, sm, xss + w * _lean_x_words(ksplit)
+                blocks, scales, e, hidden, r0, nchunks, kc0, nloc, hrow, sm, xss + w * _lean_x_words(ksplit), unused, 0
             )
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)

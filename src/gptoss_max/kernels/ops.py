@@ -106,6 +106,38 @@ def _run_moe(
     return out.tensor
 
 
+# moe_fused_gpu.mojo's SYNC_WORDS: the fused one-token launch's counters.
+ONE_TOKEN_SYNC_WORDS = 6
+
+
+def moe_mxfp4_one_token(
+    x: TensorValue,  # [1, H] bf16
+    topk_ids: TensorValue,  # [1, K] int32
+    topk_weights: TensorValue,  # [1, K] f32
+    gate_up_blocks: TensorValue,
+    gate_up_scales: TensorValue,
+    gate_up_bias: TensorValue,
+    down_blocks: TensorValue,
+    down_scales: TensorValue,
+    down_bias: TensorValue,
+    sync: TensorValue,  # [ONE_TOKEN_SYNC_WORDS] uint32, zero; the launch leaves it zero
+) -> TensorValue:  # [1, H] bf16
+    """`moe_mxfp4` for one token of a bf16 graph as one GPU launch (gptoss_moe_one_token_mxfp4:
+    gate_up and down in one grid, the down's loads started before its h is done). A probe for
+    bench/moe.py (`--fused`), GPU only; the model does not use it."""
+    _load_kernels()
+    tokens, top_k = topk_ids.shape
+    inter = down_blocks.shape[2] * 2
+    h_type = TensorType(DType.float32, [tokens, top_k, inter], x.device)
+    out_type = TensorType(x.dtype, x.shape, x.device)
+    weights = [gate_up_blocks, gate_up_scales, _as(gate_up_bias, DType.float32)]
+    weights += [down_blocks, down_scales, _as(down_bias, DType.float32)]
+    out, _h = ops.custom(
+        "gptoss_moe_one_token_mxfp4", x.device, [x, topk_ids, topk_weights, *weights, sync], [out_type, h_type]
+    )
+    return out.tensor
+
+
 # moe_gpu.mojo's COUNTER_TILE_ROWS: one counter per 8 output rows of down.
 COUNTER_TILE_ROWS = 8
 
