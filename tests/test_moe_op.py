@@ -133,22 +133,26 @@ def _both_activations(moe, x, *rest):
 
 @pytest.fixture(scope="module")
 def mxfp4_model(target: Target):
+    from gptoss_max.kernels import ops
+
+    types = _routing_types(target.ref) + _mxfp4_weight_types(target.ref)
+    return target.compile("moe_mxfp4", lambda *a: _both_activations(ops.moe_mxfp4, *a), types)
+
+
+def _mxfp4_weight_types(dev):
+    """The six expert tensors of ops.moe_mxfp4 (tiled MXFP4 blocks and scales, f32 biases)."""
     from max.dtype import DType
     from max.graph import TensorType
 
-    from gptoss_max.kernels import ops
-
-    cpu = target.ref
     u8, f32 = DType.uint8, DType.float32
-    types = _routing_types(cpu) + [
-        TensorType(u8, ["E", "R", "Hb"], cpu),
-        TensorType(u8, ["E", "R", "Hs"], cpu),
-        TensorType(f32, ["E", "R"], cpu),
-        TensorType(u8, ["E", "H", "Ib"], cpu),
-        TensorType(u8, ["E", "H", "Is"], cpu),
-        TensorType(f32, ["E", "H"], cpu),
+    return [
+        TensorType(u8, ["E", "R", "Hb"], dev),
+        TensorType(u8, ["E", "R", "Hs"], dev),
+        TensorType(f32, ["E", "R"], dev),
+        TensorType(u8, ["E", "H", "Ib"], dev),
+        TensorType(u8, ["E", "H", "Is"], dev),
+        TensorType(f32, ["E", "H"], dev),
     ]
-    return target.compile("moe_mxfp4", lambda *a: _both_activations(ops.moe_mxfp4, *a), types)
 
 
 @pytest.fixture(scope="module")
@@ -440,17 +444,8 @@ def routed_model(target: Target):
     from gptoss_max.kernels import ops
 
     dev = target.ref
-    u8, f32 = DType.uint8, DType.float32
-    types = [
-        TensorType(f32, ["T", "H"], dev),
-        TensorType(f32, ["T", "E"], dev),
-        TensorType(u8, ["E", "R", "Hb"], dev),
-        TensorType(u8, ["E", "R", "Hs"], dev),
-        TensorType(f32, ["E", "R"], dev),
-        TensorType(u8, ["E", "H", "Ib"], dev),
-        TensorType(u8, ["E", "H", "Is"], dev),
-        TensorType(f32, ["E", "H"], dev),
-    ]
+    f32 = DType.float32
+    types = [TensorType(f32, ["T", "H"], dev), TensorType(f32, ["T", "E"], dev), *_mxfp4_weight_types(dev)]
 
     def forward(x, logits, *weights):
         bf = DType.bfloat16
@@ -676,20 +671,12 @@ def one_token_model(target: Target):
     from gptoss_max.kernels import ops
 
     dev = target.ref
-    u8, f32 = DType.uint8, DType.float32
-    types = _routing_types(dev) + [
-        TensorType(u8, ["E", "R", "Hb"], dev),
-        TensorType(u8, ["E", "R", "Hs"], dev),
-        TensorType(f32, ["E", "R"], dev),
-        TensorType(u8, ["E", "H", "Ib"], dev),
-        TensorType(u8, ["E", "H", "Is"], dev),
-        TensorType(f32, ["E", "H"], dev),
-        TensorType(DType.uint32, [ops.ONE_TOKEN_SYNC_WORDS], dev),
-    ]
+    types = _routing_types(dev) + _mxfp4_weight_types(dev)
+    types.append(TensorType(DType.uint32, [ops.ONE_TOKEN_SYNC_WORDS], dev))
 
     def forward(x, ids, w, *rest):
         out = ops.moe_mxfp4_one_token(gops.cast(x, DType.bfloat16), ids, w, *rest)
-        return gops.cast(out, f32)
+        return gops.cast(out, DType.float32)
 
     return target.compile("moe_mxfp4_one_token", forward, types)
 
