@@ -65,6 +65,7 @@ from std.atomic import Atomic, Ordering
 from std.bit import pop_count, count_trailing_zeros
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
+from std.sys._assembly import inlined_assembly
 from std.utils.static_tuple import StaticTuple
 
 from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
@@ -840,7 +841,9 @@ def _wait_flag(flag: Pointer[UInt32, MutAnyOrigin], target: UInt32):
     """Warp-wide: spin until flag[0] >= target, then a fence, so that what
     the blocks that counted wrote before their own fence is visible."""
     while flag.unsafe_load[volatile=True](0) < target:
-        pass
+        # a short sleep between polls: spinning warps share their SM's issue
+        # slots with the gate_up warps they wait for
+        inlined_assembly["nanosleep.u32 64;", NoneType, constraints="~{memory}", has_side_effect=True]()
     threadfence()
 
 
