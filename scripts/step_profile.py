@@ -21,6 +21,9 @@ MAX's pipeline, `synthetic:20b|120b` weights made on the device, `batch` random 
      our MoE prefill, our attention and its merge, MAX's attention, matmul/GEMM, norm, RoPE,
      router/top-k, sampling/logits, KV-cache writes, elementwise, memcpy/memset, other), per
      step (mean over the profiled steps) and per layer (the step's figure / the layer count).
+     Each kernel also gets its exposed time: how far it pushed the step's end past the kernels
+     that started before it. Under PDL and graph replay kernels overlap and their durations
+     include their waits; the exposed times still add up to the span less its idle gaps.
 
 Per step it also gives the step's wall time on the host, the GPU busy time (sum of kernel
 durations) and span (first kernel start to last kernel end): wall minus busy is where the GPU
@@ -302,6 +305,24 @@ def by_call(steps: list[list[float]], n_steps: int) -> list[float] | None:
     return [round(sum(col) / n_steps, 2) for col in zip(*steps, strict=True)]
 
 
+def exposed(events: list[KernelEvent]) -> list[float]:
+    """Per event (in start order): how far it pushes the step's end past every event that started
+    before it (µs, >= 0). Kernels that overlap (programmatic dependent launch, graph replay)
+    record durations that include their waits, so their durations overlap and over-count; these
+    shares do not: they add up to the step's span less its idle gaps, and a kernel whose time
+    is hidden behind another's gets ~0."""
+    out, frontier = [], None
+    for e in sorted(events, key=lambda e: e.start_us):
+        end = e.start_us + e.dur_us
+        if frontier is None:
+            out.append(e.dur_us)
+            frontier = end
+            continue
+        out.append(max(0.0, end - max(frontier, e.start_us)))
+        frontier = max(frontier, end)
+    return out
+
+
 def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict[str, Any]:
     """Per phase: per-step figures (means over its profiled steps), rows per category and per
     kernel name. Times in µs."""
@@ -313,6 +334,7 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
         cat_us: dict[str, float] = {}
         cat_calls: dict[str, int] = {}
         names: dict[tuple[str, str], list[float]] = {}
+        exposed_us: dict[str, float] = {}  # per kernel name, summed over the steps
         # per kernel name, each step's durations in launch order (the k-th call of a step is the
         # same layer's in every step)
         calls: dict[str, list[list[float]]] = {}
@@ -331,6 +353,8 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
                     "graph_kernels": sum(e.graph for e in evs),
                 }
             )
+            for e, x in zip(evs, exposed(evs), strict=True):
+                exposed_us[e.name] = exposed_us.get(e.name, 0.0) + x
             for e in evs:
                 c = categorize(e.name, e.kind, e.block)
                 cat_us[c] = cat_us.get(c, 0.0) + e.dur_us
@@ -361,6 +385,7 @@ def summarize(by_window: dict[Window, list[KernelEvent]], n_layers: int) -> dict
                 "calls_per_step": round(len(d) / n, 2),
                 "mean_us": round(sum(d) / len(d), 2),
                 "share": round(sum(d) / busy_total, 4),
+                "exposed_us_per_step": round(exposed_us.get(name, 0.0) / n, 2),
                 "by_call_us": by_call(calls[name], n),
             }
             for (name, c), d in names.items()
@@ -402,12 +427,12 @@ def format_table(phases: dict[str, Any], top: int = 15) -> str:
                      f"{100 * r['share']:.1f} %"]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
         lines.append(f"top {top} kernels:")
-        lines.append("| kernel | category | µs/step | calls/step | mean µs |")
-        lines.append("|---|---|---|---|---|")
+        lines.append("| kernel | category | µs/step | calls/step | mean µs | exposed µs/step |")
+        lines.append("|---|---|---|---|---|---|")
         for r in s["kernels"][:top]:
             name = r["name"] if len(r["name"]) <= 70 else r["name"][:67] + "..."
             cells = [f"`{name}`", r["category"], f"{r['us_per_step']:.1f}", f"{r['calls_per_step']:.1f}",
-                     f"{r['mean_us']:.2f}"]  # fmt: skip
+                     f"{r['mean_us']:.2f}", f"{r.get('exposed_us_per_step', 0.0):.1f}"]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -245,3 +245,17 @@ def test_by_call_averages_each_call_position_over_the_steps():
     assert sp.by_call([[3.0, 1.0], [5.0]], 2) is None
     assert sp.by_call([[3.0, 1.0]], 2) is None
     assert sp.by_call([[1.0] * (sp.BY_CALL_MAX + 1)], 1) is None
+
+
+def test_exposed_time_counts_each_kernel_once_past_the_ones_before_it():
+    ev = sp.KernelEvent
+    # a (0-10), b launched early under PDL (4-14: its first 6 us wait for a), c after a gap
+    # (20-25), d hidden inside c (21-23)
+    events = [ev("a", 0.0, 10.0), ev("b", 4.0, 10.0), ev("c", 20.0, 5.0), ev("d", 21.0, 2.0)]
+    assert sp.exposed(events) == [10.0, 4.0, 5.0, 0.0]
+    # the shares add up to the span less the idle gap (14-20)
+    assert sum(sp.exposed(events)) == 25.0 - 6.0
+    phases = sp.summarize({sp.Window("decode", 0, 0.0, 30.0): events}, n_layers=1)
+    rows = {k["name"]: k for k in phases["decode"]["kernels"]}
+    assert rows["b"]["mean_us"] == 10.0 and rows["b"]["exposed_us_per_step"] == 4.0
+    assert rows["d"]["exposed_us_per_step"] == 0.0
