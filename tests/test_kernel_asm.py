@@ -197,7 +197,7 @@ def test_ptx_of_the_fused_one_token_moe(asm, tmp_path):
         # the down warps: a volatile spin on one word (a short sleep between polls), then h by four
         # volatile 16-byte loads
         assert body.count("ld.volatile.global.v4") == 4 and "ld.volatile.global.b32" in body, spec
-        assert "nanosleep.u32" in body, spec
+        assert "nanosleep.u32" in body and "trap;" in body, spec  # a spin that never ends traps
         assert "membar.gl" in body or "fence.sc.gpu" in body or "fence.acq_rel.gpu" in body
         assert body.count("mma.sync.aligned.m16n8k16") >= 16  # two lean tiles' loops (8 mma each)
     assert "redux.sync.max.u32" in routed and "redux.sync" not in plain

@@ -834,16 +834,23 @@ def _lean_loop[
 
 comptime WAIT_NONE = 0
 comptime WAIT_FLAG = 1  # spin until flag[0] >= target (moe_fused_gpu: h from other blocks)
+comptime WAIT_FLAG_POLLS = 1 << 24
 
 
 @always_inline
 def _wait_flag(flag: Pointer[UInt32, MutAnyOrigin], target: UInt32):
     """Warp-wide: spin until flag[0] >= target, then a fence, so that what
-    the blocks that counted wrote before their own fence is visible."""
+    the blocks that counted wrote before their own fence is visible. After
+    WAIT_FLAG_POLLS polls (over a second) the kernel traps: a launch that
+    never counts up fails with an error instead of hanging the GPU."""
+    var polls = 0
     while flag.unsafe_load[volatile=True](0) < target:
         # a short sleep between polls: spinning warps share their SM's issue
         # slots with the gate_up warps they wait for
         inlined_assembly["nanosleep.u32 64;", NoneType, constraints="~{memory}", has_side_effect=True]()
+        polls += 1
+        if polls > WAIT_FLAG_POLLS:
+            inlined_assembly["trap;", NoneType, constraints="~{memory}", has_side_effect=True]()
     threadfence()
 
 
