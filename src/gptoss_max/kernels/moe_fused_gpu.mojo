@@ -20,12 +20,20 @@ from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barri
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.intrinsics import threadfence
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
-from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
+from max.gpu.primitives.warp import shuffle_idx
 from std.atomic import Atomic, Ordering
 from std.utils.static_tuple import StaticTuple
 
-from .moe_common import gptoss_swiglu
-from .moe_gpu import DOWN1_DEPTH, MAX_TOPK, WAIT_FLAG, _lean_scale_bytes, _lean_tile, _lean_x_words
+from .moe_gpu import (
+    DOWN1_DEPTH,
+    MAX_TOPK,
+    WAIT_FLAG,
+    _down1_sum,
+    _lean_scale_bytes,
+    _lean_swiglu_out,
+    _lean_tile,
+    _lean_x_words,
+)
 from .pdl import pdl_attributes, pdl_enter
 from .router_topk import warp_topk
 
@@ -104,8 +112,6 @@ def moe_one_token_kernel[
     var w = Int(warp_id())
     var lane = Int(lane_id())
     var tid = Int(thread_idx.x)
-    var g = lane >> 2
-    var q = lane & 3
     var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
     var red = raw.unsafe_offset(_RED).unsafe_bitcast[Float32]()
     var sm = raw.unsafe_offset(_SMS + w * FUSED_SCALE_BYTES)
@@ -166,19 +172,8 @@ def moe_one_token_kernel[
         if valid and kw == 0:
             comptime for j in range(1, FUSED_GU_KS):
                 acc += (red + ((w + j) * 32 + lane) * 4).unsafe_load[width=4, alignment=16](0)
-            # rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4
-            var odd = (g & 1) != 0
-            var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
-            var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
-            if q == 0 and not odd:
-                var hb = h.unsafe_bitcast[BFloat16]()
-                comptime for hh in range(2):
-                    var gr = r0 + g + 8 * hh
-                    if gr + 1 < rows:
-                        var gate = acc[2 * hh] + bsm[t * 16 + gr - r0]
-                        var up = (got0 if hh == 0 else got1) + bsm[t * 16 + gr - r0 + 1]
-                        hb[unsafe_offset=k * 2 * inter + (gr >> 1)] = gptoss_swiglu(gate, up).cast[DType.bfloat16]()
-                threadfence()  # each writer's h before the barrier and the count below
+            _lean_swiglu_out(acc, bsm + t * 16, h, k, r0, rows)
+            threadfence()  # each writer's h before the barrier and the count below
         barrier()
         if tid == 0:
             comptime for j in range(FUSED_GU_TILES):
@@ -215,20 +210,7 @@ def moe_one_token_kernel[
         (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
         async_copy_wait_group(0)
         barrier()
-        # token 0 is column 0 of the fragment: lanes (g, q = 0) hold rows g
-        # (acc[0]) and g + 8 (acc[2]); thread t < 16 sums row r0 + t
-        if tid < 16:
-            var r = r0 + tid
-            if r < hidden:
-                var slot = ((tid & 7) * 4) * 4 + (tid >> 3) * 2
-                var total: Float32 = 0
-                for kk in range(top_k):
-                    if vsm[kk] != 0:
-                        var v = bsm[kk * 16 + tid]
-                        comptime for j in range(FUSED_DOWN_KS):
-                            v += red[(kk * FUSED_DOWN_KS + j) * 128 + slot]
-                        total += wsm[kk] * v
-                output[unsafe_offset=r] = total.cast[DType.bfloat16]()
+        _down1_sum[DType.bfloat16, FUSED_DOWN_KS](output, red, bsm, wsm, vsm, r0, hidden, top_k)
     # the last block to finish resets the counters for the next launch
     if tid == 0:
         threadfence()

@@ -706,6 +706,7 @@ comptime LEAN_X_POW = 64
 comptime LEAN_BIAS = 126 - LEAN_X_POW
 comptime LEAN_BIG_S = 128 + LEAN_X_POW
 comptime SharedU32 = Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+comptime SharedF32 = Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 @always_inline
@@ -925,6 +926,31 @@ def _lean_tile[
     return SIMD[DType.float32, 4](part[0], part[0], part[1], part[1])
 
 
+@always_inline
+def _lean_swiglu_out(
+    acc: SIMD[DType.float32, 4], bw: SharedF32, h: Pointer[Float32, MutAnyOrigin], pt: Int, r0: Int, rows: Int
+):
+    """Warp-wide, a one-token gate_up tile's epilogue (gate_up_kernel's for
+    its one pair; token 0 = column 0 of the summed fragment acc of rows r0 ..
+    r0 + 15): rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4;
+    swiglu(gate + bias, up + bias) (bw: the tile's 16 biases) goes to pair
+    row pt of h as bf16."""
+    var lane = Int(lane_id())
+    var g = lane >> 2
+    var odd = (g & 1) != 0
+    var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
+    var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
+    if (lane & 3) == 0 and not odd:
+        var inter = rows // 2
+        var hb = h.unsafe_bitcast[BFloat16]()
+        comptime for hh in range(2):
+            var gr = r0 + g + 8 * hh
+            if gr + 1 < rows:
+                var gate = acc[2 * hh] + bw[gr - r0]
+                var up = (got0 if hh == 0 else got1) + bw[gr - r0 + 1]
+                hb[unsafe_offset=pt * 2 * inter + (gr >> 1)] = gptoss_swiglu(gate, up).cast[DType.bfloat16]()
+
+
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(max(LEAN_KS, 1) * 32)))
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(LEAN_MIN_WARPS // max(LEAN_KS, 1)))
 def gate_up_lean_kernel[
@@ -986,8 +1012,6 @@ def gate_up_lean_kernel[
     var kc0 = nchunks * w // KS
     var nloc = nchunks * (w + 1) // KS - kc0
     var r0 = Int(block_idx.x) * 16
-    var g = lane >> 2
-    var q = lane & 3
     if w == 0:
         if lane < 16 and r0 + lane < rows:
             async_copy[4](
@@ -1003,21 +1027,7 @@ def gate_up_lean_kernel[
         return
     comptime for j in range(1, KS):
         acc += (red + (j * 32 + lane) * 4).unsafe_load[width=4, alignment=16](0)
-    # As gate_up_kernel's epilogue for its one pair (token 0 = column 0 of the
-    # fragment): rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4.
-    var odd = (g & 1) != 0
-    var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
-    var got1 = shuffle_xor(acc[2] if odd else acc[3], UInt32(4))
-    if q == 0 and not odd:
-        var inter = rows // 2
-        var hb = h.unsafe_bitcast[BFloat16]()
-        var pt = Int(block_idx.y)
-        comptime for hh in range(2):
-            var gr = r0 + g + 8 * hh
-            if gr + 1 < rows:
-                var gate = acc[2 * hh] + bw[gr - r0]
-                var up = (got0 if hh == 0 else got1) + bw[gr - r0 + 1]
-                hb[unsafe_offset=pt * 2 * inter + (gr >> 1)] = gptoss_swiglu(gate, up).cast[DType.bfloat16]()
+    _lean_swiglu_out(acc, bw, h, Int(block_idx.y), r0, rows)
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(warps * 32)))
@@ -1217,6 +1227,39 @@ def _combine_partials[
         base += COMBINE_ROUND * threads
 
 
+@always_inline
+def _down1_sum[
+    out_dtype: DType, ksplit: Int
+](
+    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
+    red: SharedF32,
+    bsm: SharedF32,
+    wsm: SharedF32,
+    vsm: Pointer[Int32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    r0: Int,
+    hidden: Int,
+    top_k: Int,
+):
+    """A one-token down block's combine, after its barrier: thread t < 16 sums
+    output row r0 + t over the experts that count (vsm), each its bias (bsm,
+    16 per expert) plus its ksplit warps' fragments (red, 128 f32 per warp),
+    times its weight (wsm), in a fixed order. Token 0 is column 0 of a
+    fragment: lanes (g, q = 0) hold rows g (acc[0]) and g + 8 (acc[2])."""
+    var t = Int(thread_idx.x)
+    if t < 16:
+        var r = r0 + t
+        if r < hidden:
+            var slot = ((t & 7) * 4) * 4 + (t >> 3) * 2
+            var total: Float32 = 0
+            for kk in range(top_k):
+                if vsm[kk] != 0:
+                    var v = bsm[kk * 16 + t]
+                    comptime for j in range(ksplit):
+                        v += red[(kk * ksplit + j) * 128 + slot]
+                    total += wsm[kk] * v
+            output[unsafe_offset=r] = total.cast[out_dtype]()
+
+
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(MAX_TOPK * _down1_ksplit(out_dtype) * 32)))
 # 2 blocks (24 warps for bf16, 16 for float32) per SM: the 180 tiles of gpt-oss
 # then run in one wave.
@@ -1306,21 +1349,7 @@ def down_one_token_kernel[
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
-    # Token 0 is column 0 of the fragment: lanes (g, q = 0) hold rows g
-    # (acc[0]) and g + 8 (acc[2]). Thread t < 16 sums row r0 + t.
-    var t = Int(thread_idx.x)
-    if t < 16:
-        var r = r0 + t
-        if r < hidden:
-            var slot = ((t & 7) * 4) * 4 + (t >> 3) * 2
-            var total: Float32 = 0
-            for kk in range(top_k):
-                if vsm[kk] != 0:
-                    var v = bsm[kk * 16 + t]
-                    comptime for j in range(ksplit):
-                        v += red[(kk * ksplit + j) * 128 + slot]
-                    total += wsm[kk] * v
-            output[unsafe_offset=r] = total.cast[out_dtype]()
+    _down1_sum[out_dtype, ksplit](output, red, bsm, wsm, vsm, r0, hidden, top_k)
 
 
 def n_counters(hidden: Int) -> Int:
