@@ -15,7 +15,8 @@
 // Every kernel calls griddepcontrol.wait, then griddepcontrol.launch_dependents (after its
 // pre-wait loads, if any) and is launched with programmatic stream serialization when `pdl`.
 // Timed: the chain launched on a stream, and the same chain captured once as a CUDA graph and
-// replayed; CUDA events, median of REPS.
+// replayed; CUDA events, median of REPS. In graph replay also: PDL on some kernels' launches
+// only (`mask`), and every kernel signalling its dependents after its weight stream (`late`).
 // tests/test_cuda_probe_sources.py compiles the kernels with NVRTC (the host part left out) and
 // checks the host part with g++ (-DPROBE_HOST_CHECK: the kernels as declarations).
 #ifndef __CUDACC_RTC__
@@ -53,9 +54,9 @@ typedef unsigned long size_t;
 #define REPS 15
 
 #ifdef PROBE_HOST_CHECK  // tests: the host part alone, by g++ against the CUDA runtime's headers
-__global__ void k_stream1(const uint4* __restrict__ w, const float* __restrict__ x, float* h);
-__global__ void k_stream2(const uint4* __restrict__ w, const float* h, float* out, int pre);
-__global__ void k_head(const uint4* __restrict__ w, const float* out, float* x);
+__global__ void k_stream1(const uint4* __restrict__ w, const float* __restrict__ x, float* h, int late);
+__global__ void k_stream2(const uint4* __restrict__ w, const float* h, float* out, int pre, int late);
+__global__ void k_head(const uint4* __restrict__ w, const float* out, float* x, int late);
 #else
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
@@ -88,17 +89,18 @@ __device__ __forceinline__ unsigned warp_xor(unsigned v) {
     return v;
 }
 
-__global__ void __launch_bounds__(T1) k_stream1(const uint4* __restrict__ w, const float* __restrict__ x, float* h) {
+__global__ void __launch_bounds__(T1) k_stream1(const uint4* __restrict__ w, const float* __restrict__ x, float* h, int late) {
     pdl_wait();
-    pdl_launch();
+    if (!late) pdl_launch();
     unsigned warps = gridDim.x * (T1 / 32), wid = blockIdx.x * (T1 / 32) + threadIdx.x / 32;
     size_t n = W1_BYTES / 16, lo = n * wid / warps, hi = n * (wid + 1) / warps;
     unsigned acc = stream(w, lo, hi, __float_as_uint(x[wid & 255]));
+    if (late) pdl_launch();
     acc = warp_xor(acc);
     if ((threadIdx.x & 31) == 0) h[wid] = (float)(acc & 1023);
 }
 
-__global__ void __launch_bounds__(T2, 2) k_stream2(const uint4* __restrict__ w, const float* h, float* out, int pre) {
+__global__ void __launch_bounds__(T2, 2) k_stream2(const uint4* __restrict__ w, const float* h, float* out, int pre, int late) {
     extern __shared__ unsigned sm2[];
     unsigned warps = gridDim.x * (T2 / 32), wid = blockIdx.x * (T2 / 32) + threadIdx.x / 32;
     size_t n = W2_BYTES / 16, lo = n * wid / warps, hi = n * (wid + 1) / warps;
@@ -110,15 +112,16 @@ __global__ void __launch_bounds__(T2, 2) k_stream2(const uint4* __restrict__ w, 
         for (int k = 0; k < PRE_LOADS; k++) v[k] = ld_nc(w + lo + lane + 32 * k);
         start = lo + 32 * PRE_LOADS;
         pdl_wait();
-        pdl_launch();
+        if (!late) pdl_launch();
 #pragma unroll
         for (int k = 0; k < PRE_LOADS; k++) acc += fold(v[k]);
     } else {
         pdl_wait();
-        pdl_launch();
+        if (!late) pdl_launch();
     }
     acc += __float_as_uint(h[wid % (G1 * (T1 / 32))]);
     acc = stream(w, start, hi, acc);
+    if (late) pdl_launch();
     acc = warp_xor(acc);
     sm2[threadIdx.x] = acc;
     __syncthreads();
@@ -129,13 +132,14 @@ __global__ void __launch_bounds__(T2, 2) k_stream2(const uint4* __restrict__ w, 
     }
 }
 
-__global__ void __launch_bounds__(T3, 1) k_head(const uint4* __restrict__ w, const float* out, float* x) {
+__global__ void __launch_bounds__(T3, 1) k_head(const uint4* __restrict__ w, const float* out, float* x, int late) {
     extern __shared__ unsigned sm3[];
     pdl_wait();
-    pdl_launch();
+    if (!late) pdl_launch();
     unsigned warps = gridDim.x * (T3 / 32), wid = blockIdx.x * (T3 / 32) + threadIdx.x / 32;
     size_t n = W3_BYTES / 16, lo = n * wid / warps, hi = n * (wid + 1) / warps;
     unsigned acc = stream(w, lo, hi, __float_as_uint(out[wid % G2]));
+    if (late) pdl_launch();
     acc = warp_xor(acc);
     sm3[threadIdx.x] = acc;
     __syncthreads();
@@ -165,14 +169,16 @@ static void launch(K kernel, int grid, int block, int smem, cudaStream_t s, bool
     CK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
-static void chain(const Bufs& b, cudaStream_t s, bool pdl, int pre, bool head, int sms) {
+// mask: which kernels launch with the PDL attribute (1 the gate_up stand-in, 2 the down, 4 the
+// head); late: every kernel signals its dependents after its weight stream, not at its start.
+static void chain(const Bufs& b, cudaStream_t s, int mask, int pre, int late, bool head, int sms) {
     for (int l = 0; l < LAYERS; l++) {
         const uint4* w1 = b.w1 + (size_t)l * (W1_BYTES / 16);
         const uint4* w2 = b.w2 + (size_t)l * (W2_BYTES / 16);
         const uint4* w3 = b.w3 + (size_t)l * (W3_BYTES / 16);
-        launch(k_stream1, G1, T1, 0, s, pdl, w1, (const float*)b.x, b.h);
-        launch(k_stream2, G2, T2, SMEM2, s, pdl, w2, (const float*)b.h, b.out, pre);
-        if (head) launch(k_head, sms, T3, SMEM3, s, pdl, w3, (const float*)b.out, b.x);
+        launch(k_stream1, G1, T1, 0, s, mask & 1, w1, (const float*)b.x, b.h, late);
+        launch(k_stream2, G2, T2, SMEM2, s, mask & 2, w2, (const float*)b.h, b.out, pre, late);
+        if (head) launch(k_head, sms, T3, SMEM3, s, mask & 4, w3, (const float*)b.out, b.x, late);
     }
 }
 
@@ -204,41 +210,52 @@ int main() {
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     printf("{\"device\": \"%s\", \"sms\": %d, \"layers\": %d, \"rows\": [\n", prop.name, sms, LAYERS);
-    bool first = true;
+    struct Variant {
+        int head, graph, mask, pre, late;
+    };
+    std::vector<Variant> vs;
     for (int head = 1; head >= 0; head--)
         for (int graph = 1; graph >= 0; graph--)
             for (int pdl = 1; pdl >= 0; pdl--)
-                for (int pre = 0; pre <= 1; pre++) {
-                    if (!pdl && pre) continue;  // without PDL the order inside k_stream2 is moot
-                    cudaGraphExec_t exec = nullptr;
-                    if (graph) {
-                        cudaGraph_t g;
-                        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-                        chain(b, s, pdl, pre, head, sms);
-                        CK(cudaStreamEndCapture(s, &g));
-                        CK(cudaGraphInstantiate(&exec, g, 0));
-                        CK(cudaGraphDestroy(g));
-                    }
-                    std::vector<float> ts;
-                    for (int r = 0; r < REPS + 2; r++) {
-                        CK(cudaEventRecord(e0, s));
-                        if (graph)
-                            CK(cudaGraphLaunch(exec, s));
-                        else
-                            chain(b, s, pdl, pre, head, sms);
-                        CK(cudaEventRecord(e1, s));
-                        CK(cudaEventSynchronize(e1));
-                        float ms;
-                        CK(cudaEventElapsedTime(&ms, e0, e1));
-                        if (r >= 2) ts.push_back(ms * 1000.f / LAYERS);
-                    }
-                    if (exec) CK(cudaGraphExecDestroy(exec));
-                    printf("%s  {\"head\": %d, \"graph\": %d, \"pdl\": %d, \"pre\": %d, \"us_per_layer\": %.2f, "
-                           "\"min_us\": %.2f, \"max_us\": %.2f}",
-                           first ? "" : ",\n", head, graph, pdl, pre, median(ts),
-                           *std::min_element(ts.begin(), ts.end()), *std::max_element(ts.begin(), ts.end()));
-                    first = false;
-                }
+                for (int pre = 0; pre <= pdl; pre++)  // without PDL the order inside k_stream2 is moot
+                    vs.push_back({head, graph, pdl ? 7 : 0, pre, 0});
+    // In graph replay: PDL on some edges only, and every kernel signalling late.
+    for (int head = 1; head >= 0; head--) {
+        for (int mask = 1; mask < (head ? 7 : 3); mask++) vs.push_back({head, 1, mask, 0, 0});
+        vs.push_back({head, 1, 7, 0, 1});
+    }
+    bool first = true;
+    for (const Variant& v : vs) {
+        cudaGraphExec_t exec = nullptr;
+        if (v.graph) {
+            cudaGraph_t g;
+            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+            chain(b, s, v.mask, v.pre, v.late, v.head, sms);
+            CK(cudaStreamEndCapture(s, &g));
+            CK(cudaGraphInstantiate(&exec, g, 0));
+            CK(cudaGraphDestroy(g));
+        }
+        std::vector<float> ts;
+        for (int r = 0; r < REPS + 2; r++) {
+            CK(cudaEventRecord(e0, s));
+            if (v.graph)
+                CK(cudaGraphLaunch(exec, s));
+            else
+                chain(b, s, v.mask, v.pre, v.late, v.head, sms);
+            CK(cudaEventRecord(e1, s));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (r >= 2) ts.push_back(ms * 1000.f / LAYERS);
+        }
+        if (exec) CK(cudaGraphExecDestroy(exec));
+        int mask = v.head ? v.mask : v.mask & 3;
+        printf("%s  {\"head\": %d, \"graph\": %d, \"pdl\": %d, \"mask\": %d, \"pre\": %d, \"late\": %d, "
+               "\"us_per_layer\": %.2f, \"min_us\": %.2f, \"max_us\": %.2f}",
+               first ? "" : ",\n", v.head, v.graph, mask != 0, mask, v.pre, v.late, median(ts),
+               *std::min_element(ts.begin(), ts.end()), *std::max_element(ts.begin(), ts.end()));
+        first = false;
+    }
     CK(cudaGetLastError());
     printf("\n]}\n");
     return 0;

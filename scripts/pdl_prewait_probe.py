@@ -11,7 +11,9 @@ layer's gate_up, down and next qkv head (weight streams of the same sizes, grids
 occupancy; bench/NOTES.md has the shapes), with the down's first loads before or after its
 wait, launched on a stream or replayed as a graph, with and without PDL, and with and without
 the head after the down. A pathology of pre-wait loads under graphs shows as `pre` 1 slower
-than 0 in the graph rows only.
+than 0 in the graph rows only. In graph replay it also times PDL on some launches only (`mask`:
+1 the gate_up stand-in, 2 the down, 4 the head) and every kernel signalling its dependents after
+its weight stream instead of at its start (`late`): which edges PDL helps and which it hurts.
 
 Builds the probe with nvcc for sm_90a, runs it, prints a table and writes
 <out>/pdl_prewait_probe_<gpu>_<yyyymmdd>.json. Needs nvcc and an sm_90 GPU (not MAX or torch).
@@ -41,20 +43,35 @@ def build(work: Path, nvcc: str = "nvcc") -> Path:
 
 
 def table(result: dict) -> str:
-    """The probe's rows as a table, with each pre-wait row's change against its wait-first twin."""
+    """The probe's rows as a table. A pre-wait row is compared with its wait-first twin; a row with
+    PDL on some launches only (`mask`: 1 gate_up, 2 down, 4 head) or late signals with the same
+    chain and PDL on every launch."""
     rows = result["rows"]
-    base = {(r["head"], r["graph"], r["pdl"]): r["us_per_layer"] for r in rows if not r["pre"]}
+    full = {r["head"]: 7 if r["head"] else 3 for r in rows}
+
+    def key(r: dict) -> tuple:
+        return r["head"], r["graph"], r.get("mask", 7 if r["pdl"] else 0), r.get("late", 0)
+
+    base = {key(r): r["us_per_layer"] for r in rows if not r["pre"]}
     lines = [
         f"{result['device']}, {result['layers']} layers; µs per layer (median; min-max)",
-        f"{'head':>4s} {'launch':>6s} {'pdl':>3s} {'down':>10s} {'µs':>8s} {'range':>15s} {'vs wait-first':>14s}",
+        f"{'head':>4s} {'launch':>6s} {'pdl':>4s} {'down':>10s} {'signal':>6s} {'µs':>8s} {'range':>15s} {'vs twin':>8s}",
     ]
     for r in rows:
-        twin = base.get((r["head"], r["graph"], r["pdl"]))
-        delta = f"{r['us_per_layer'] - twin:+.2f}" if r["pre"] and twin is not None else ""
+        head, graph, mask, late = key(r)
+        mask = mask & full.get(head, 7)
+        on_all = mask == full.get(head, 7)
+        twin = None
+        if r["pre"]:
+            twin = base.get(key(r))
+        elif (mask and not on_all) or late:
+            twin = base.get((r["head"], graph, 7, 0), base.get((r["head"], graph, 3, 0)))
+        delta = f"{r['us_per_layer'] - twin:+.2f}" if twin is not None else ""
+        pdl = "on" if on_all else "off" if not mask else f"m{mask}"
         lines.append(
-            f"{'yes' if r['head'] else 'no':>4s} {'graph' if r['graph'] else 'stream':>6s} "
-            f"{'on' if r['pdl'] else 'off':>3s} {'pre-wait' if r['pre'] else 'wait first':>10s} "
-            f"{r['us_per_layer']:8.2f} {r['min_us']:7.2f}-{r['max_us']:<7.2f} {delta:>14s}"
+            f"{'yes' if head else 'no':>4s} {'graph' if graph else 'stream':>6s} {pdl:>4s} "
+            f"{'pre-wait' if r['pre'] else 'wait first':>10s} {'late' if late else 'start':>6s} "
+            f"{r['us_per_layer']:8.2f} {r['min_us']:7.2f}-{r['max_us']:<7.2f} {delta:>8s}"
         )
     return "\n".join(lines)
 

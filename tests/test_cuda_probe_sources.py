@@ -147,6 +147,23 @@ def test_pdl_prewait_probe_table_compares_each_pre_wait_row_with_its_twin():
     assert lines[-2].split()[-2:] == ["40.00", "0.00-99.00"] and lines[-1].rstrip().endswith("+15.50")
 
 
+def test_pdl_prewait_probe_table_compares_mask_and_late_rows_with_pdl_everywhere():
+    probe = load_script("scripts/pdl_prewait_probe.py", "pdl_prewait_probe")
+    row = {"graph": 1, "pre": 0, "min_us": 0.0, "max_us": 99.0}
+    rows = [
+        {**row, "head": 1, "pdl": 1, "mask": 7, "late": 0, "us_per_layer": 27.0},
+        {**row, "head": 1, "pdl": 1, "mask": 5, "late": 0, "us_per_layer": 25.5},
+        {**row, "head": 1, "pdl": 1, "mask": 7, "late": 1, "us_per_layer": 28.0},
+        {**row, "head": 0, "pdl": 1, "mask": 3, "late": 0, "us_per_layer": 23.0},
+        {**row, "head": 0, "pdl": 0, "mask": 0, "late": 0, "us_per_layer": 18.0},
+        {**row, "head": 0, "pdl": 1, "mask": 1, "late": 0, "us_per_layer": 19.0},
+    ]
+    lines = probe.table({"device": "GPU", "layers": 24, "rows": rows}).splitlines()[2:]
+    assert [ln.split()[2] for ln in lines] == ["on", "m5", "on", "on", "off", "m1"]
+    assert lines[1].endswith("-1.50") and lines[2].endswith("+1.00") and lines[5].endswith("-4.00")
+    assert lines[0].split()[-1] == "0.00-99.00" and lines[4].split()[-1] == "0.00-99.00"
+
+
 def test_pdl_prewait_probe_host_code_compiles(tmp_path):
     """The probe's host part (launches with the PDL attribute, stream capture, graph replay) against
     the CUDA runtime's headers (the nvidia-cuda-runtime-cu12 and -nvcc-cu12 wheels, test dependencies), by g++ with
