@@ -55,7 +55,8 @@ def table(result: dict) -> str:
     base = {key(r): r["us_per_layer"] for r in rows if not r["pre"]}
     lines = [
         f"{result['device']}, {result['layers']} layers; µs per layer (median; min-max)",
-        f"{'head':>4s} {'launch':>6s} {'pdl':>4s} {'down':>10s} {'signal':>6s} {'µs':>8s} {'range':>15s} {'vs twin':>8s}",
+        f"{'head':>4s} {'launch':>6s} {'pdl':>4s} {'down':>10s} {'signal':>6s} {'µs':>8s} {'range':>15s}"
+        f" {'vs twin':>8s}",
     ]
     for r in rows:
         head, graph, mask, late = key(r)

@@ -35,7 +35,50 @@ def test_step_spread_separates_a_few_stalled_steps_from_the_median():
     s = e2e.step_spread(start, [start - 0.1, *ends])  # a prefill-time return before the start is ignored
     assert s["tpot_p50_ms"] == pytest.approx(2.0) and s["tpot_max_ms"] == pytest.approx(30.0)
     assert s["slow_steps"] == 1 and 2.0 < s["tpot_p90_ms"] <= 30.0
+    assert s["step_ms"] == pytest.approx([2.0] * 6 + [30.0] + [2.0] * 3, abs=1e-3)
+    assert s["tpot_quarters_ms"] == pytest.approx([2.0, 2.0, 16.0, 2.0], abs=1e-3)  # 3, 3, 2, 2 steps
     assert e2e.step_spread(start, [])["tpot_p50_ms"] is None
+
+
+def test_step_spread_quarters_show_a_mode_switch_within_a_run():
+    # 8 steps at 1.66 ms, then 8 at 2.14 ms (the two modes of bench/NOTES.md's twelfth session)
+    start, t, ends = 5.0, 5.0, []
+    for k in range(16):
+        t += 0.00166 if k < 8 else 0.00214
+        ends.append(t)
+    s = e2e.step_spread(start, ends)
+    assert s["tpot_quarters_ms"] == pytest.approx([1.66, 1.66, 2.14, 2.14], abs=1e-3)
+    assert s["slow_steps"] == 0 and len(s["step_ms"]) == 16
+
+
+def test_gpu_state_reads_clocks_and_throttle_reasons(monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "1980 MHz, 3201 MHz, 0x0000000000000000, 41, 120.5 W, P0\n", "")
+
+    monkeypatch.setattr(e2e.shutil, "which", lambda name: "/bin/" + name)
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    state = e2e.gpu_state()
+    assert state == {
+        "clocks.sm": "1980 MHz",
+        "clocks.mem": "3201 MHz",
+        "clocks_throttle_reasons.active": "0x0000000000000000",
+        "temperature.gpu": "41",
+        "power.draw": "120.5 W",
+        "pstate": "P0",
+    }
+    assert (
+        "--query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw,pstate" in calls[0]
+    )
+    # a field nvidia-smi does not know comes back as an error line: no state rather than a wrong one
+    monkeypatch.setattr(
+        e2e.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2, "Field error\n", "")
+    )
+    assert e2e.gpu_state() is None
+    monkeypatch.setattr(e2e.shutil, "which", lambda name: None)
+    assert e2e.gpu_state() is None
 
 
 @pytest.mark.parametrize("poll", [False, True])

@@ -334,10 +334,22 @@ def step_spread(decode_start: float, decode_ends: list[float]) -> dict[str, Any]
     """The decode steps' own times (each from the previous step's return, the first from the
     last first token): median, 90th percentile and maximum in ms, and how many took more than
     twice the median. tpot_ms is their mean; a mean well above the median says a few slow steps
-    (host stalls) moved it, not the kernels."""
+    (host stalls) moved it, not the kernels.
+
+    Also every step's time (`step_ms`) and the median of each quarter of the run
+    (`tpot_quarters_ms`): on the H200 a 20b batch-1 run's steps sat at ~1.66 ms or at ~2.14 ms,
+    the same tree in either, and sometimes switched within one run (bench/NOTES.md, "Twelfth
+    session"); these show which, and when."""
     ends = [t for t in decode_ends if t > decode_start]
     if not ends:
-        return {"tpot_p50_ms": None, "tpot_p90_ms": None, "tpot_max_ms": None, "slow_steps": 0}
+        return {
+            "tpot_p50_ms": None,
+            "tpot_p90_ms": None,
+            "tpot_max_ms": None,
+            "slow_steps": 0,
+            "tpot_quarters_ms": [],
+            "step_ms": [],
+        }
     dt = 1e3 * np.diff(np.array([decode_start, *ends]))
     p50 = float(np.median(dt))
     return {
@@ -345,7 +357,38 @@ def step_spread(decode_start: float, decode_ends: list[float]) -> dict[str, Any]
         "tpot_p90_ms": float(np.percentile(dt, 90)),
         "tpot_max_ms": float(dt.max()),
         "slow_steps": int((dt > 2 * p50).sum()),
+        "tpot_quarters_ms": [round(float(np.median(q)), 4) for q in np.array_split(dt, 4) if len(q)],
+        "step_ms": [round(float(x), 4) for x in dt],
     }
+
+
+GPU_STATE_FIELDS = (
+    "clocks.sm",
+    "clocks.mem",
+    "clocks_throttle_reasons.active",
+    "temperature.gpu",
+    "power.draw",
+    "pstate",
+)
+
+
+def gpu_state() -> dict[str, str] | None:
+    """The GPU's clocks, active throttle reasons, temperature, power and P-state now (nvidia-smi;
+    None without it), recorded around each timed batch: a run in the slow mode above with the same
+    clocks as one in the fast mode rules clocks out."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader", "-i", "0"],
+        capture_output=True,
+        text=True,
+    )
+    values = [v.strip() for v in out.stdout.strip().split(",")]
+    return (
+        dict(zip(GPU_STATE_FIELDS, values, strict=True))
+        if out.returncode == 0 and len(values) == len(GPU_STATE_FIELDS)
+        else None
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,8 +462,10 @@ def worker(args: argparse.Namespace) -> int:
         # "outside": the timed run is only sampled before and after (MAX plans its memory up front,
         # and the warm-up above, polled, runs the same shapes); "during": polled as it runs.
         timed = PeakMemory(gpu, poll=args.memory_poll == "during")
+        before = gpu_state() if gpu else None
         with timed:
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
+        row["gpu_state"] = {"before": before, "after": gpu_state() if gpu else None}
         row["peak_memory_bytes"] = max((p for p in (warm_peak, timed.peak) if p is not None), default=None)
         result["batches"].append(row)
         print(
@@ -602,6 +647,7 @@ def _rows(
                 "graph_capture": capture,
                 "tpot_p50_ms": _round(r.get("tpot_p50_ms"), 3),
                 "tpot_p90_ms": _round(r.get("tpot_p90_ms"), 3),
+                "tpot_quarters_ms": [_round(q, 3) for q in r.get("tpot_quarters_ms", [])],
                 "tpot_max_ms": _round(r.get("tpot_max_ms"), 3),
                 "slow_steps": r.get("slow_steps"),
                 "peak_gpu_memory_bytes": r.get("peak_memory_bytes"),
