@@ -31,6 +31,8 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         "moe_gpu.gate_up_lean_kernel[4]",
         "moe_gpu.down_kernel[DType.bfloat16, 4, 1]",
         "router_decode.router_decode_stream_kernel[12, 8, 1]",
+        "moe_gpu.down_one_token_kernel[DType.bfloat16, 4]",
+        "moe_gpu.down_one_token_kernel[DType.float32]",
     ]
     ptx = asm.build_ptx(specs, tmp_path)
     assert list(ptx) == specs
@@ -51,6 +53,8 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
         lean,
         down,
         stream,
+        down1_routed,
+        down1_f32,
     ) = ptx.values()
     # the multi-token down's last block (v19): after its counter increment, a round's 8 x 4 partial
     # loads are all issued before the first add (they used to wait one after another)
@@ -112,12 +116,26 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     # PDL (pdl.mojo): every decode-step kernel waits for the previous grid before its first global
     # load, copy or store, and only then lets the next grid launch (loads issued before the wait
     # measured 10 % slower at batch 1)
+    def accesses(body: str) -> list[int]:
+        return [i for i in map(body.find, ("ld.global", "st.global", "cp.async")) if i >= 0]
+
+    # ... except the bf16 one-token down (v26), which waits inside its lean tile, after its routing,
+    # its bias copy, its first weight batch and its scales: each valid warp once there, each
+    # invalid one after the tile; its routing either read (route 0) or, when routed, the top-k of
+    # the logits taken before any wait (a redux round). It stores only after waiting.
+    prewait = {down1, down1_routed}
     for spec, k in ptx.items():
         body = k[k.index(".entry") :]
         wait = body.index("griddepcontrol.wait")
         assert wait < body.index("griddepcontrol.launch_dependents"), spec
-        first_access = min(i for i in map(body.find, ("ld.global", "st.global", "cp.async")) if i >= 0)
-        assert wait < first_access, spec
+        if k in prewait:
+            assert body.count("griddepcontrol.wait") == 2 and min(accesses(body)) < wait, spec
+            assert wait < body.index("st.global") and body.count("st.global") == 1, spec
+        else:
+            assert wait < min(accesses(body)), spec
+    assert down1_routed.index("redux.sync.max.u32") < down1_routed.index("griddepcontrol.wait")
+    assert "redux.sync" not in down1 and "redux.sync" not in down1_f32
+    assert ".maxntid 256" in down1_f32  # 2 warps per expert: _tile16 on hi + lo spills at 3
 
 
 def test_ptx_of_the_prefill_wgmma_loops(asm, tmp_path):

@@ -836,6 +836,7 @@ def _lean_loop[
 comptime WAIT_NONE = 0
 comptime WAIT_FLAG = 1  # spin until flag[0] >= target (moe_fused_gpu: h from other blocks)
 comptime WAIT_FLAG_POLLS = 1 << 24
+comptime WAIT_PDL = 2  # pdl_enter() just before x is staged (the v26 probe)
 
 
 @always_inline
@@ -879,7 +880,9 @@ def _lean_tile[
     when ks warps split K) and xs (_lean_x_words(ks) words) are the warp's own
     shared memory; a ring of depth batches (depth - 1 in flight while one is
     decoded). wait (flag, target): see the staging of x below; flag is not
-    read with WAIT_NONE. Returns the fragment of rows
+    read with WAIT_NONE. WAIT_PDL: the warp waits for the previous grid
+    only once its first weights and its scales are on their way, just
+    before it stages x (which that grid wrote). Returns the fragment of rows
     g (c0, c1) and g + 8 (c2, c3), every column the token."""
     var lane = Int(lane_id())
     var g = lane >> 2
@@ -898,9 +901,12 @@ def _lean_tile[
     var s_bytes = min(((kc0 + nloc + 1) >> 1) * 32, 16 * nchunks) - s0
     var big = _stage_scales[LEAN_BIG_S](rp[4] + s0, s_bytes, sm)
     # wait: WAIT_FLAG (xrow written by other blocks of this launch): only now
-    # wait for them (flag, target), then read xrow past L1
+    # wait for them (flag, target), then read xrow past L1; WAIT_PDL: only now
+    # wait for the previous grid
     comptime if wait == WAIT_FLAG:
         _wait_flag(flag, target)
+    comptime if wait == WAIT_PDL:
+        pdl_enter()
     _stage_x_words[wait == WAIT_FLAG](xrow, kc0, nloc, 4 * nb, xs)
     var ss_g = sm + (Int(rp[2]) - Int(rp[4]) - s0)
     var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]) - s0)
@@ -1265,12 +1271,13 @@ def _down1_sum[
 # then run in one wave.
 @__llvm_metadata(`nvvm.minctasm`=SIMDLength(2))
 def down_one_token_kernel[
-    out_dtype: DType
+    out_dtype: DType, route: Int = 0
 ](
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
     h: Pointer[Float32, ImmutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
     wts: Pointer[Float32, ImmutAnyOrigin],
+    logits: Pointer[BFloat16, ImmutAnyOrigin],
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
@@ -1283,17 +1290,27 @@ def down_one_token_kernel[
     top_k experts (_down1_ksplit warps each, over parts of I) and sums them
     in shared memory in a fixed order (deterministic), so no partials reach
     global memory and no block waits on a counter. Warp w serves pair
-    w // _down1_ksplit (expert ids[pair]; an invalid id adds nothing). A
-    bf16 output runs the lean tile (v25); a float32 one _tile16 on h's hi and
-    lo words."""
-    pdl_enter()
+    w // _down1_ksplit (expert ids[pair]; an invalid id adds nothing).
+
+    A float32 output runs _tile16 on h's hi and lo words and waits for the
+    previous grid (PDL) first. A bf16 one runs the lean tile (v25) and waits
+    only inside it, once its first weights and its scales are on their way
+    (v26): before that it reads nothing the previous grid (gate_up, which
+    writes h) writes. Its routing comes from two or more grids back: route >
+    0 takes the top-k of the router's bf16 logits itself (route lanes' worth
+    per lane, as gate_up_lean_kernel[route] does, so the same experts and
+    weights); route 0 reads ids and wts, which a gate_up without route only
+    reads (the ops never pass ids that gate_up writes with route 0)."""
+    comptime split = out_dtype != DType.bfloat16
+    comptime assert route == 0 or not split, "the routed one-token down takes bf16 logits"
+    comptime if split:
+        pdl_enter()
     comptime ksplit = _down1_ksplit(out_dtype)
     comptime nw = MAX_TOPK * ksplit
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
     var hidden = Int(hidden_)
     var inter = Int(inter_)
-    comptime split = out_dtype != DType.bfloat16
     var red = stack_allocation[nw * 32 * 4, Float32, alignment=16, address_space=AddressSpace.SHARED]()
     # the warp's scales: the whole tile's for f32 (_tile16), its own part's for
     # bf16, which also stages its part of h (the lean tile)
@@ -1307,7 +1324,14 @@ def down_one_token_kernel[
     var kw = w % ksplit
     var r0 = Int(block_idx.x) * 16
     var g = lane >> 2
-    var e = Int(ids[unsafe_offset=k]) if k < top_k else -1
+    var e: Int
+    var wt = Float32(0)
+    comptime if route > 0:
+        var mine = warp_topk[DType.bfloat16, route](logits, n_experts, top_k)
+        e = Int(shuffle_idx(mine[0], UInt32(k)))  # lanes past top_k hold -1
+        wt = shuffle_idx(mine[1], UInt32(k))
+    else:
+        e = Int(ids[unsafe_offset=k]) if k < top_k else -1
     var valid = e >= 0 and e < n_experts
     # What the final sum needs besides the fragments (each expert's 16 bias
     # values, its weight, whether it counts) reaches shared memory while the
@@ -1322,7 +1346,10 @@ def down_one_token_kernel[
                 bsm + k * 16 + lane,
             )
         if valid and lane == 16:
-            async_copy[4](wts.unsafe_offset(k).unsafe_address_space_cast[AddressSpace.GLOBAL](), wsm + k)
+            comptime if route > 0:
+                wsm[k] = wt
+            else:
+                async_copy[4](wts.unsafe_offset(k).unsafe_address_space_cast[AddressSpace.GLOBAL](), wsm + k)
         if lane == 0:
             vsm[k] = 1 if valid else 0
     async_copy_commit_group()
@@ -1342,10 +1369,13 @@ def down_one_token_kernel[
             # h's row k as bf16 pair words, its blocks kc0 .. kc0 + nloc - 1
             # staged in the warp's xs
             var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter)
-            var unused = output.unsafe_bitcast[UInt32]()  # WAIT_NONE: not read
-            acc = _lean_tile[DOWN1_DEPTH](
+            var unused = output.unsafe_bitcast[UInt32]()  # WAIT_PDL: not read
+            acc = _lean_tile[DOWN1_DEPTH, WAIT_PDL](
                 blocks, scales, e, hidden, r0, nchunks, kc0, nloc, hrow, sm, xss + w * _lean_x_words(ksplit), unused, 0
             )
+    comptime if not split:
+        if not valid:
+            pdl_enter()  # the valid warps waited in _lean_tile
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
@@ -1547,6 +1577,32 @@ def _launch_down[
     )
 
 
+def _launch_down_one_token[
+    out_dtype: DType, route: Int
+](
+    ctx: DeviceContext,
+    output: Pointer[Scalar[out_dtype], MutAnyOrigin],
+    h: Pointer[Float32, ImmutAnyOrigin],
+    ids: Pointer[Int32, ImmutAnyOrigin],
+    wts: Pointer[Float32, ImmutAnyOrigin],
+    logits: Pointer[BFloat16, ImmutAnyOrigin],
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    bias: Pointer[Float32, ImmutAnyOrigin],
+    top_k: Int,
+    n_experts: Int,
+    hidden: Int,
+    inter: Int,
+) raises:
+    ctx.enqueue_function[down_one_token_kernel[out_dtype, route]](
+        output, h, ids, wts, logits, blocks, scales, bias,
+        Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
+        grid_dim=(hidden + 15) // 16,
+        block_dim=MAX_TOPK * _down1_ksplit(out_dtype) * 32,
+        attributes=pdl_attributes(True),
+    )
+
+
 def launch_down[
     out_dtype: DType
 ](
@@ -1565,19 +1621,32 @@ def launch_down[
     n_experts: Int,
     hidden: Int,
     inter: Int,
+    logits: Pointer[BFloat16, ImmutAnyOrigin],
+    routed: Bool,
 ) raises:
     """down + top-k combine for at most CHUNK_TOKENS tokens. h is kept as
     bf16 hi + lo (two mma) only for a float32 output; a bf16 output takes
-    h rounded to bf16, as the rest of a bf16 graph does."""
+    h rounded to bf16, as the rest of a bf16 graph does. routed: ids and
+    wts are the top-k of the router's bf16 logits [n_experts], which gate_up
+    took itself and wrote; a bf16 output's one-token step then takes the
+    same top-k of logits before it waits for gate_up (down_one_token_kernel;
+    logits is not read otherwise)."""
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0 or inter > 32 * MAX_K_BLOCKS:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0, I <= 3072")
     if tokens == 1 and top_k <= MAX_TOPK:
-        ctx.enqueue_function[down_one_token_kernel[out_dtype]](
-            output, h, ids, wts, blocks, scales, bias,
-            Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
-            grid_dim=(hidden + 15) // 16,
-            block_dim=MAX_TOPK * _down1_ksplit(out_dtype) * 32,
-            attributes=pdl_attributes(True),
+        comptime if out_dtype == DType.bfloat16:
+            if routed:
+                if n_experts <= 128:
+                    _launch_down_one_token[out_dtype, 4](
+                        ctx, output, h, ids, wts, logits, blocks, scales, bias, top_k, n_experts, hidden, inter
+                    )
+                else:
+                    _launch_down_one_token[out_dtype, 8](
+                        ctx, output, h, ids, wts, logits, blocks, scales, bias, top_k, n_experts, hidden, inter
+                    )
+                return
+        _launch_down_one_token[out_dtype, 0](
+            ctx, output, h, ids, wts, logits, blocks, scales, bias, top_k, n_experts, hidden, inter
         )
     elif tokens <= FEW_TOKENS:
         _launch_down[out_dtype, DOWN_WARPS_FEW, DOWN_KSPLIT_FEW](

@@ -97,10 +97,17 @@ def _run_moe(
                 TensorType(DType.float32, [tokens, top_k], x.device),
             ],
         )
+    # With the routing out of gate_up, down also gets the logits: a one-token step on the GPU takes
+    # the same top-k itself, so it can start streaming before gate_up ends (PDL).
+    down_name, routing = (
+        ("gptoss_moe_down_mxfp4", [topk_ids, topk_weights])
+        if logits is None
+        else ("gptoss_moe_route_down_mxfp4", [topk_ids, topk_weights, logits])
+    )
     out, _partial = ops.custom(
-        "gptoss_moe_down_mxfp4",
+        down_name,
         x.device,
-        [h, topk_ids, topk_weights, *down, counters, path_value],
+        [h, *routing, *down, counters, path_value],
         [out_type, TensorType(DType.float32, [tokens, top_k, hidden], x.device)],
     )
     return out.tensor

@@ -16,9 +16,18 @@
 #
 # Measured (H100, bench/NOTES.md "PDL"): +0.8-0.9 % decode tok/s at batch 1
 # (20b and 120b, CUDA graphs), −1.7 % at 20b batch 64; so only one-token
-# steps launch with it. Loading weights or earlier steps' keys before the wait
-# (which the rule above allows for data the previous grid does not write)
-# cost 10 % at batch 1, so every kernel waits first.
+# steps launch with it.
+#
+# One kernel loads before its wait: the bf16 one-token down (moe_gpu,
+# down_one_token_kernel, v26) takes its routing from grids two or more back
+# and issues its first weights and scales, then waits just before it reads
+# h, which gate_up writes. Its first e2e runs looked 15 % slower, but that
+# was the e2e bench's two modes (decode steps of ~1.66 or ~2.14 ms at 20b
+# batch 1 on the H200), not the loads: main and v26 each ran in both
+# (bench/NOTES.md, "Twelfth session"). The 2026-11-23 "−10 %" against
+# loads before the wait (qkv head, attention; H100) may have been the same;
+# it was not re-run. Every other kernel still waits first; test_kernel_asm
+# checks both.
 #
 # GPTOSS_MAX_PDL=0 launches without the attribute, for A/B timing.
 
