@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <vector>
 #else
 typedef unsigned long size_t;
@@ -187,7 +188,10 @@ static float median(std::vector<float> v) {
     return v[v.size() / 2];
 }
 
-int main() {
+int main(int argc, char** argv) {
+    // `soak N`: the chain with the head, PDL on every launch, replayed N times as one graph; prints
+    // every replay's µs per layer (are replay times bimodal on this GPU, without MAX?)
+    int soak = argc > 2 && std::string(argv[1]) == "soak" ? atoi(argv[2]) : 0;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     int sms = prop.multiProcessorCount;
@@ -209,6 +213,32 @@ int main() {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
+    if (soak > 0) {
+        cudaGraph_t g;
+        cudaGraphExec_t exec;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        chain(b, s, 7, 0, 0, true, sms);
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&exec, g, 0));
+        CK(cudaGraphDestroy(g));
+        std::vector<cudaEvent_t> ev(soak + 1);
+        for (auto& e : ev) CK(cudaEventCreate(&e));
+        CK(cudaEventRecord(ev[0], s));
+        for (int r = 0; r < soak; r++) {  // back to back, as decode steps replay
+            CK(cudaGraphLaunch(exec, s));
+            CK(cudaEventRecord(ev[r + 1], s));
+        }
+        CK(cudaStreamSynchronize(s));
+        printf("{\"device\": \"%s\", \"sms\": %d, \"layers\": %d, \"soak_us_per_layer\": [", prop.name, sms, LAYERS);
+        for (int r = 0; r < soak; r++) {
+            float ms;
+            CK(cudaEventElapsedTime(&ms, ev[r], ev[r + 1]));
+            printf("%s%.3f", r ? ", " : "", ms * 1000.f / LAYERS);
+        }
+        printf("]}\n");
+        CK(cudaGraphExecDestroy(exec));
+        return 0;
+    }
     printf("{\"device\": \"%s\", \"sms\": %d, \"layers\": %d, \"rows\": [\n", prop.name, sms, LAYERS);
     struct Variant {
         int head, graph, mask, pre, late;

@@ -77,15 +77,78 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def soak_summary(us: list[float]) -> dict:
+    """A soak's replay times (µs per layer): quantiles, and the share of replays more than 15 %
+    above the fastest tenth's (the e2e bench's slow mode was +29 %: ~2.14 against ~1.66 ms)."""
+    v = sorted(us)
+    q = {f"p{k}": v[min(len(v) - 1, len(v) * k // 100)] for k in (1, 10, 50, 90, 99)}
+    slow = sum(1 for x in us if x > 1.15 * q["p10"])
+    return {**q, "max": v[-1], "replays": len(v), "slow_share": slow / len(v)}
+
+
+def soak(exe: Path, replays: int) -> dict:
+    """Run `exe soak replays` while sampling the GPU's clocks and throttle reasons (nvidia-smi,
+    every ~0.1 s)."""
+    import threading
+    import time
+
+    from gptoss_max.e2e import gpu_state
+
+    samples: list[dict] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            state = gpu_state()
+            if state:
+                samples.append({"t": round(time.perf_counter() - t0, 3), **state})
+            done.wait(0.1)
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        out = subprocess.run([str(exe), "soak", str(replays)], check=True, capture_output=True, text=True).stdout
+    finally:
+        done.set()
+        th.join()
+    res = json.loads(out)
+    res["summary"] = soak_summary(res["soak_us_per_layer"])
+    res["gpu_samples"] = samples
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results", help="directory for the JSON (default: bench/results)")
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--runs", type=int, default=2, help="runs of the whole probe (each times every variant)")
+    ap.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        help="instead: replay the chain (head, PDL on every launch) this many times back to back and report"
+        " the spread of replay times with the GPU's clocks sampled meanwhile (~0.67 ms a replay on an H200)",
+    )
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(Path(tmp), args.nvcc)
+        if args.soak:
+            res = soak(exe, args.soak)
+            summary = res["summary"]
+            print(
+                f"{res['device']}: {summary['replays']} replays, µs per layer "
+                + ", ".join(f"{k} {summary[k]:.2f}" for k in ("p1", "p10", "p50", "p90", "p99", "max"))
+                + f"; {100 * summary['slow_share']:.1f} % over 1.15 x p10"
+            )
+            clocks = sorted(
+                {(x["clocks.sm"], x["clocks.mem"], x["clocks_throttle_reasons.active"]) for x in res["gpu_samples"]}
+            )
+            print(f"clocks seen (sm, mem, throttle reasons): {clocks}")
+            path = write_result(args.out, "pdl_soak_probe", res["device"], "pdl_prewait_probe.py", argv, res)
+            print(f"wrote {path}")
+            return 0
         for _ in range(args.runs):
             out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
             results.append(json.loads(out))

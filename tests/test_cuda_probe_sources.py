@@ -164,6 +164,15 @@ def test_pdl_prewait_probe_table_compares_mask_and_late_rows_with_pdl_everywhere
     assert lines[0].split()[-1] == "0.00-99.00" and lines[4].split()[-1] == "0.00-99.00"
 
 
+def test_pdl_prewait_probe_soak_summary_counts_the_slow_replays():
+    probe = load_script("scripts/pdl_prewait_probe.py", "pdl_prewait_probe")
+    us = [27.0] * 80 + [35.0] * 20  # a fifth of the replays in a mode 30 % slower
+    s = probe.soak_summary(us)
+    assert s["p10"] == 27.0 and s["p50"] == 27.0 and s["p90"] == 35.0 and s["max"] == 35.0
+    assert s["replays"] == 100 and s["slow_share"] == pytest.approx(0.2)
+    assert probe.soak_summary([27.0, 27.5, 28.0])["slow_share"] == 0.0
+
+
 def test_pdl_prewait_probe_host_code_compiles(tmp_path):
     """The probe's host part (launches with the PDL attribute, stream capture, graph replay) against
     the CUDA runtime's headers (the nvidia-cuda-runtime-cu12 and -nvcc-cu12 wheels, test dependencies), by g++ with
