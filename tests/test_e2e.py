@@ -51,6 +51,29 @@ def test_step_spread_quarters_show_a_mode_switch_within_a_run():
     assert s["slow_steps"] == 0 and len(s["step_ms"]) == 16
 
 
+def test_cpu_spread_gives_each_quarters_cpu_time_per_step():
+    # 9 returns, so 8 steps: the process spends 1 ms a step, then 3 ms in the second half;
+    # the stepping thread 0.5 ms throughout
+    cpu, proc, thread = [], 10.0, 4.0
+    for k in range(9):
+        cpu.append((proc, thread))
+        proc += 0.001 if k < 4 else 0.003
+        thread += 0.0005
+    s = e2e.cpu_spread(cpu)
+    assert s["cpu_quarters_ms"] == pytest.approx([1.0, 1.0, 3.0, 3.0])
+    assert s["thread_cpu_quarters_ms"] == pytest.approx([0.5] * 4)
+    assert e2e.cpu_spread(cpu[:1]) == {"cpu_quarters_ms": [], "thread_cpu_quarters_ms": []}
+
+
+def test_host_state_reads_this_machine():
+    state = e2e.host_state()
+    assert state["cpus_allowed"] >= 1
+    assert len(state["load_avg"]) == 3
+    if Path("/proc/cpuinfo").exists() and "cpu MHz" in Path("/proc/cpuinfo").read_text():
+        mhz = state["cpu_mhz"]
+        assert 0 < mhz["min"] <= mhz["mean"] <= mhz["max"]
+
+
 def test_gpu_state_reads_clocks_and_throttle_reasons(monkeypatch):
     calls = []
 
@@ -243,6 +266,11 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert 0 < b["tpot_p50_ms"] <= b["tpot_max_ms"] and b["tpot_p50_ms"] <= b["tpot_p90_ms"] <= b["tpot_max_ms"]
         assert b["tpot_max_ms"] >= b["tpot_ms"] * 0.999 and 0 <= b["slow_steps"] <= 5
         assert len(b["gc_collections"]) == 3 and r["tpot_p50_ms"] == round(b["tpot_p50_ms"], 3)
+        # every step kept, each quarter's median; CPU per step from the second step; no GPU state here
+        assert len(b["step_ms"]) == 5 and sum(b["step_ms"]) <= 1e3 * b["seconds"]
+        assert len(b["tpot_quarters_ms"]) == 4 and len(r["tpot_quarters_ms"]) == 4
+        assert len(b["cpu_quarters_ms"]) == 4 and all(q > 0 for q in b["cpu_quarters_ms"])
+        assert b["gpu_state"] == {"before": None, "after": None} and b["host_state"]["after"]["cpus_allowed"] >= 1
     assert worker["kv_bytes_per_token"] == memory.kv_bytes_per_token(PRESETS["tiny"], 4)  # MAX's cache = our plan
     assert worker["memory_plan"]["kv_cache_bytes"] > 0
     assert run["memory_plan"]["per_batch"]["1"]["weights_bytes"] == sum(

@@ -265,6 +265,7 @@ def run_batch(
 
     steps = {"prefill": 0, "decode": 0}
     decode_ends: list[float] = []  # when each decode step returned (its tokens on the host)
+    decode_cpu: list[tuple[float, float]] = []  # the process's and this thread's CPU time then
 
     def step(rows: list[int], phase: str) -> None:
         k = steps[phase]
@@ -278,6 +279,7 @@ def run_batch(
         now = time.perf_counter()
         if phase == "decode":
             decode_ends.append(now)
+            decode_cpu.append((time.process_time(), time.thread_time()))
         for rid, out in outputs.items():
             hit = index.get(rid)
             if hit is None or hit not in live:
@@ -326,8 +328,44 @@ def run_batch(
         "e2e_output_tok_s": sum(count) / (t_end - t0),
         "seconds": t_end - t0,
         **step_spread(decode_start, decode_ends),
+        **cpu_spread([c for t, c in zip(decode_ends, decode_cpu, strict=True) if t > decode_start]),
         "gc_collections": collections,
     }
+
+
+def cpu_spread(cpu: list[tuple[float, float]]) -> dict[str, Any]:
+    """CPU time per decode step (from (process_time, thread_time) at each step's return, the
+    first step left out): the median of each quarter of the run, for the whole process and for
+    the thread that runs the steps. Set beside `tpot_quarters_ms`: a slow quarter whose CPU time
+    grew as much as its wall time points at the host; one whose CPU time did not, at waiting
+    (the GPU, or a thread that sleeps)."""
+    if len(cpu) < 2:
+        return {"cpu_quarters_ms": [], "thread_cpu_quarters_ms": []}
+    arr = 1e3 * np.diff(np.array(cpu), axis=0)
+
+    def quarters(col: np.ndarray) -> list[float]:
+        return [round(float(np.median(q)), 4) for q in np.array_split(col, 4) if len(q)]
+
+    return {"cpu_quarters_ms": quarters(arr[:, 0]), "thread_cpu_quarters_ms": quarters(arr[:, 1])}
+
+
+def host_state() -> dict[str, Any]:
+    """The host now: its CPUs' clock (the min, mean and max `cpu MHz` of /proc/cpuinfo, where it
+    exists), the load average, and the CPUs this process may run on."""
+    state: dict[str, Any] = {"cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    with contextlib.suppress(OSError):
+        state["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    with contextlib.suppress(OSError, ValueError):
+        mhz = [
+            float(ln.split(":")[1]) for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("cpu MHz")
+        ]
+        if mhz:
+            state["cpu_mhz"] = {
+                "min": round(min(mhz), 1),
+                "mean": round(sum(mhz) / len(mhz), 1),
+                "max": round(max(mhz), 1),
+            }
+    return state
 
 
 def step_spread(decode_start: float, decode_ends: list[float]) -> dict[str, Any]:
@@ -462,17 +500,19 @@ def worker(args: argparse.Namespace) -> int:
         # "outside": the timed run is only sampled before and after (MAX plans its memory up front,
         # and the warm-up above, polled, runs the same shapes); "during": polled as it runs.
         timed = PeakMemory(gpu, poll=args.memory_poll == "during")
-        before = gpu_state() if gpu else None
+        before, host_before = gpu_state() if gpu else None, host_state()
         with timed:
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
         row["gpu_state"] = {"before": before, "after": gpu_state() if gpu else None}
+        row["host_state"] = {"before": host_before, "after": host_state()}
         row["peak_memory_bytes"] = max((p for p in (warm_peak, timed.peak) if p is not None), default=None)
         result["batches"].append(row)
         print(
             f"[{args.arch}{' graph-capture' if args.worker_graph_capture else ''}] batch {b}: "
             f"{row['decode_tok_s'] or 0:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms"
             f" (median {row['tpot_p50_ms'] or 0:.2f}, max {row['tpot_max_ms'] or 0:.2f}, {row['slow_steps']} steps"
-            f" over twice the median, garbage collections {row['gc_collections']})",
+            f" over twice the median, garbage collections {row['gc_collections']}; quarters' median step"
+            f" {row['tpot_quarters_ms']} ms, CPU {row['cpu_quarters_ms']} ms)",
             flush=True,
         )
         save()
@@ -648,6 +688,7 @@ def _rows(
                 "tpot_p50_ms": _round(r.get("tpot_p50_ms"), 3),
                 "tpot_p90_ms": _round(r.get("tpot_p90_ms"), 3),
                 "tpot_quarters_ms": [_round(q, 3) for q in r.get("tpot_quarters_ms", [])],
+                "cpu_quarters_ms": [_round(q, 3) for q in r.get("cpu_quarters_ms", [])],
                 "tpot_max_ms": _round(r.get("tpot_max_ms"), 3),
                 "slow_steps": r.get("slow_steps"),
                 "peak_gpu_memory_bytes": r.get("peak_memory_bytes"),
