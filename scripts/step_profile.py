@@ -539,7 +539,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill:
         chosen.add(("prefill", 0))
     hook = StepProfiler(torch, chosen)
-    timing = e2e.run_batch(engine, batch_prompts, output_len, budget, step_hook=hook)
+    with e2e.gc_mode(args.gc):
+        timing = e2e.run_batch(engine, batch_prompts, output_len, budget, step_hook=hook)
     trace = hook.trace()
 
     events = kernel_events(trace)
@@ -584,6 +585,7 @@ def run(args: argparse.Namespace) -> int:
         "graph_capture": args.graph_capture == "on",
         "graph_kernels_visible": visible,
         "pdl": args.pdl == "on",
+        "gc": args.gc,
         "attention": settings.attention_impl(),
         "moe_path": os.environ.get("GPTOSS_MAX_MOE_PATH", "auto"),
         "router": settings.router_impl(),
@@ -646,6 +648,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-batch-input-tokens", type=int, default=None, help="prompt tokens per prefill step (MAX default 8192)"
+    )
+    p.add_argument(
+        "--gc",
+        choices=["default", "collect", "freeze", "off"],
+        default="default",
+        help="Python's garbage collector around the profiled run, as bench/e2e.py's --gc (collect: the warm-up's "
+        "garbage freed first; the memcpy rows then show whether host copies stay pinned)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--top", type=int, default=15, help="kernels listed per phase in the printed table")

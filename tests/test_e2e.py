@@ -74,6 +74,31 @@ def test_host_state_reads_this_machine():
         assert 0 < mhz["min"] <= mhz["mean"] <= mhz["max"]
 
 
+def test_gc_mode_sets_the_collector_and_puts_it_back():
+    import gc
+
+    assert gc.isenabled()
+    garbage = []
+    garbage.append(garbage)  # a cycle only the collector frees
+    del garbage
+    with e2e.gc_mode("collect"):
+        assert gc.isenabled() and gc.get_count()[0] < 50  # just collected
+    frozen_before = gc.get_freeze_count()
+    with e2e.gc_mode("freeze"):
+        assert gc.get_freeze_count() > frozen_before and gc.isenabled()
+    assert gc.get_freeze_count() == frozen_before
+    with e2e.gc_mode("off"):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), e2e.gc_mode("off"):  # put back after an error too
+        raise RuntimeError("step failed")
+    assert gc.isenabled()
+    with e2e.gc_mode("default"):
+        assert gc.isenabled()
+    with pytest.raises(ValueError, match="gc mode"), e2e.gc_mode("sometimes"):
+        pass
+
+
 def test_gpu_state_reads_clocks_and_throttle_reasons(monkeypatch):
     calls = []
 
@@ -170,7 +195,7 @@ def test_stock_variants():
 
 def _args(**kw):
     base = dict(device="cpu", prompt_len=8, output_len=2, warmup_tokens=0, batch=[1], max_length=None,
-                max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll="outside")  # fmt: skip
+                max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll="outside", gc="default")  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -214,7 +239,7 @@ def test_a_stopped_bench_takes_its_worker_with_it(tmp_path):
     code = (
         "import argparse; from pathlib import Path; from gptoss_max import e2e; "
         "a = argparse.Namespace(device='cpu', prompt_len=8, output_len=2, warmup_tokens=0, batch=[1], "
-        "max_length=None, max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll='outside'); "
+        "max_length=None, max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll='outside', gc='default'); "
         f"e2e.run_worker(a, 'stock', 'synthetic:tiny', None, False, 600, Path({str(tmp_path)!r}))"
     )
     env = dict(os.environ)
@@ -244,7 +269,7 @@ def test_bench_smoke_on_cpu(tmp_path):
     """`gptoss-max bench` as a user runs it, at CI size: synthetic:tiny on the CPU, batch 1 and 2."""
     cmd = [sys.executable, "-m", "gptoss_max.cli", "bench", "--model", "synthetic:tiny", "--device", "cpu",
            "--batch", "1", "2", "--prompt-len", "40", "--output-len", "6", "--max-length", "1024", "--stock", "off",
-           "--out", str(tmp_path), "--keep-logs"]  # fmt: skip
+           "--out", str(tmp_path), "--keep-logs", "--gc", "freeze"]  # fmt: skip
     env = dict(os.environ, GPTOSS_MAX_ROUTER="fused")  # a run-changing setting: the command records it
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -271,6 +296,7 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert len(b["tpot_quarters_ms"]) == 4 and len(r["tpot_quarters_ms"]) == 4
         assert len(b["cpu_quarters_ms"]) == 4 and all(q > 0 for q in b["cpu_quarters_ms"])
         assert b["gpu_state"] == {"before": None, "after": None} and b["host_state"]["after"]["cpus_allowed"] >= 1
+    assert worker["gc"] == "freeze" and "--gc freeze" in result["command"]
     assert worker["kv_bytes_per_token"] == memory.kv_bytes_per_token(PRESETS["tiny"], 4)  # MAX's cache = our plan
     assert worker["memory_plan"]["kv_cache_bytes"] > 0
     assert run["memory_plan"]["per_batch"]["1"]["weights_bytes"] == sum(

@@ -217,7 +217,16 @@ def test_help_and_no_gpu(capsys):
         sp.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--model", "--batch", "--context", "--steps", "--graph-capture", "--kv-memory-fraction", "--out"):
+    for flag in (
+        "--model",
+        "--batch",
+        "--context",
+        "--steps",
+        "--graph-capture",
+        "--kv-memory-fraction",
+        "--gc",
+        "--out",
+    ):
         assert flag in out
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -259,3 +268,14 @@ def test_exposed_time_counts_each_kernel_once_past_the_ones_before_it():
     rows = {k["name"]: k for k in phases["decode"]["kernels"]}
     assert rows["b"]["mean_us"] == 10.0 and rows["b"]["exposed_us_per_step"] == 4.0
     assert rows["d"]["exposed_us_per_step"] == 0.0
+
+
+def test_gc_modes_are_the_e2e_benchs(monkeypatch):
+    from gptoss_max import e2e
+
+    seen = {}
+    monkeypatch.setattr(sp, "run", lambda args: seen.update(gc=args.gc) or 0)
+    for mode in e2e.GC_MODES:
+        assert sp.main(["--gc", mode]) == 0 and seen["gc"] == mode
+    with pytest.raises(SystemExit):
+        sp.main(["--gc", "sometimes"])

@@ -429,6 +429,32 @@ def gpu_state() -> dict[str, str] | None:
     )
 
 
+GC_MODES = ("default", "collect", "freeze", "off")
+
+
+@contextlib.contextmanager
+def gc_mode(mode: str):
+    """Python's garbage collector while a timed batch runs (`--gc`): `default` leaves it alone;
+    `collect` collects first; `freeze` collects, then moves every object into the permanent
+    generation (gc.freeze), undone after; `off` disables it, re-enabled after."""
+    if mode not in GC_MODES:
+        raise ValueError(f"gc mode must be one of {', '.join(GC_MODES)}, not {mode!r}")
+    was_enabled = gc.isenabled()
+    if mode in ("collect", "freeze"):
+        gc.collect()
+    if mode == "freeze":
+        gc.freeze()
+    if mode == "off":
+        gc.disable()
+    try:
+        yield
+    finally:
+        if mode == "freeze":
+            gc.unfreeze()
+        if mode == "off" and was_enabled:
+            gc.enable()
+
+
 # ---------------------------------------------------------------------------------------------
 # A worker: one pipeline, every batch size
 
@@ -490,6 +516,7 @@ def worker(args: argparse.Namespace) -> int:
     save()
     budget = args.max_batch_input_tokens or 8192
     result["memory_poll"] = args.memory_poll
+    result["gc"] = args.gc
     for b in args.batch:
         warm_peak = None
         if args.warmup_tokens:  # first-use costs; a full-length prompt only where TTFT is the figure (batch 1)
@@ -501,7 +528,7 @@ def worker(args: argparse.Namespace) -> int:
         # and the warm-up above, polled, runs the same shapes); "during": polled as it runs.
         timed = PeakMemory(gpu, poll=args.memory_poll == "during")
         before, host_before = gpu_state() if gpu else None, host_state()
-        with timed:
+        with timed, gc_mode(args.gc):
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
         row["gpu_state"] = {"before": before, "after": gpu_state() if gpu else None}
         row["host_state"] = {"before": host_before, "after": host_state()}
@@ -616,6 +643,8 @@ def run_worker(
         str(args.warmup_tokens),
         "--memory-poll",
         args.memory_poll,
+        "--gc",
+        args.gc,
         "--batch",
         *map(str, args.batch),
     ]
@@ -943,6 +972,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="outside",
         help="peak GPU memory: polled during the warm-up batch and sampled around the timed one (default), "
         "or polled during the timed batch too (once suspected of stalling its decode)",
+    )
+    p.add_argument(
+        "--gc",
+        choices=GC_MODES,
+        default="default",
+        help="Python's garbage collector around each timed batch: as is (default); `collect` first; `freeze`: "
+        "collect, then gc.freeze() (what vLLM and SGLang do after start-up); `off` while it runs. On the H200 "
+        "every slow-mode run so far had a generation-1 collection in its timed batch (bench/NOTES.md)",
     )
     p.add_argument(
         "--max-length", type=int, default=None, help="context the pipeline plans for (default: prompt + output + 16)"
