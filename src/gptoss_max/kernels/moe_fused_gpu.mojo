@@ -13,8 +13,12 @@
 #
 # What it is for: PM sampling (2026-11-29) put ~45 % of the two one-token
 # kernels' time in ramps and tails; here the down's ramp runs in gate_up's
-# tail, with no launch boundary between them (v26 did it by PDL: faster in
-# bench/moe.py, 15 % slower end to end in graph replay).
+# tail, with no launch boundary between them (v26, on main, does the same by
+# PDL). Measured on the H200 (2026-11-30): correct, and 1-2.5 µs per layer
+# slower than the two kernels, so the model does not use it. Every gate_up
+# block is resident from the start, so every slot's count completes only in
+# gate_up's last tail, and the down warps wait for it (bench/NOTES.md,
+# "Twelfth session").
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.host import DeviceContext, FuncAttribute
