@@ -113,6 +113,7 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
     for tc, warps in ((tc4, 4), (tc8, 8), (tc_rope, 4)):
         assert "mma.sync.aligned.m16n8k16" in tc
         assert f"_gpu_shared_mem[{warps * 8 * 64 * 4}]" in tc
+
     # PDL (pdl.mojo): every decode-step kernel waits for the previous grid before its first global
     # load, copy or store, and only then lets the next grid launch (loads issued before the wait
     # measured 10 % slower at batch 1)
@@ -219,3 +220,25 @@ def test_ptx_of_the_fused_one_token_moe(asm, tmp_path):
         assert "membar.gl" in body or "fence.sc.gpu" in body or "fence.acq_rel.gpu" in body
         assert body.count("mma.sync.aligned.m16n8k16") >= 16  # two lean tiles' loops (8 mma each)
     assert "redux.sync.max.u32" in routed and "redux.sync" not in plain
+
+
+def test_ptx_of_the_lean_gate_up_with_more_tiles_per_block(asm, tmp_path):
+    """gate_up_lean_kernel[route, tpb]: tpb 16-row tiles per block (LEAN_TPB, 1 on main; the
+    sweep of scripts/gpu_const_sweep.sh tries 3 and 4: fewer, larger blocks for the block
+    scheduler). Each size keeps ~24 warps per SM with no spill, and the same loop."""
+    specs = ["moe_gpu.gate_up_lean_kernel[4]", "moe_gpu.gate_up_lean_kernel[4, 3]", "moe_gpu.gate_up_lean_kernel[4, 4]"]
+    ptx = asm.build_ptx(specs, tmp_path)
+    ptxas = asm.wheel_ptxas()
+    assert ptxas, "the nvidia-cuda-nvcc-cu12 wheel (test extras) holds ptxas"
+    mmas = set()
+    for (spec, k), (warps, blocks) in zip(ptx.items(), [(2, 11), (6, 4), (8, 3)], strict=True):
+        assert f".maxntid {warps * 32}" in k and f".minnctapersm {blocks}" in k, spec
+        info = asm.ptxas_info(k, ptxas, tmp_path)
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (spec, info)
+        assert warps * blocks >= 22 and info["registers"] <= 65536 // (warps * blocks * 32), (spec, info)
+        body = k[k.index(".entry") :]
+        assert body.index("griddepcontrol.wait") < min(
+            i for i in map(body.find, ("ld.global", "st.global", "cp.async")) if i >= 0
+        )
+        mmas.add(body.count("mma.sync.aligned.m16n8k16"))
+    assert len(mmas) == 1  # one lean tile per warp whatever the block

@@ -676,6 +676,12 @@ def gate_up_kernel[
 # rest back at the end (_lean_rest).
 comptime LEAN_KS = 2  # warps per tile (0: the one-token step keeps gate_up_kernel)
 comptime LEAN_MIN_WARPS = 22  # resident warps per SM the registers are held to
+# 16-row tiles per block of the lean gate_up (each LEAN_KS warps). 1: 1,440
+# blocks of 2 warps for a 20b / 120b step, ~11 per SM. More tiles per block
+# mean fewer, larger blocks for the block scheduler to place (the ramp of the
+# PM series, bench/NOTES.md "Twelfth session"), at the same warps per SM; at
+# most 4 (static shared memory: ~5.3 KB per warp, 48 KB per block).
+comptime LEAN_TPB = 1
 # u32 words per staged x block: 16 used; a stride of 20 puts the 4 quads' 8-byte
 # loads of one mma in distinct banks
 comptime LEAN_X_STRIDE = 20
@@ -957,10 +963,14 @@ def _lean_swiglu_out(
                 hb[unsafe_offset=pt * 2 * inter + (gr >> 1)] = gptoss_swiglu(gate, up).cast[DType.bfloat16]()
 
 
-@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(max(LEAN_KS, 1) * 32)))
-@__llvm_metadata(`nvvm.minctasm`=SIMDLength(LEAN_MIN_WARPS // max(LEAN_KS, 1)))
+def _lean_block_warps(tpb: Int) -> Int:
+    return max(LEAN_KS, 1) * tpb
+
+
+@__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(_lean_block_warps(tpb) * 32)))
+@__llvm_metadata(`nvvm.minctasm`=SIMDLength((LEAN_MIN_WARPS + _lean_block_warps(tpb) - 1) // _lean_block_warps(tpb)))
 def gate_up_lean_kernel[
-    route: Int
+    route: Int, tpb: Int = LEAN_TPB
 ](
     h: Pointer[Float32, MutAnyOrigin],
     counters: Pointer[UInt32, MutAnyOrigin],
@@ -979,11 +989,14 @@ def gate_up_lean_kernel[
     hidden_: Int64,
 ):
     """gate_up_kernel[bf16, _, one_token=True, route] as LEAN_KS warps per
-    16-row tile (grid: row tiles x top_k pair slots): warp w takes blocks
-    [w * nb / KS, (w + 1) * nb / KS) of H, warp 0 adds the others' fragments
-    and writes h."""
+    16-row tile, tpb tiles per block (grid: row tiles / tpb x top_k
+    pair slots): warp w serves tile w // KS of its block and takes blocks
+    [kw * nb / KS, (kw + 1) * nb / KS) of H, kw = w % KS; each tile's first
+    warp adds the others' fragments and writes h."""
+    comptime assert tpb >= 1 and tpb <= 4, "1 to 4 tiles per block (static shared memory)"
     pdl_enter()
     comptime KS = max(LEAN_KS, 1)
+    comptime NW = _lean_block_warps(tpb)
     var n_counters = Int(n_counters_)
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
@@ -992,16 +1005,19 @@ def gate_up_lean_kernel[
     var w = Int(warp_id())
     var lane = Int(lane_id())
     var tid = Int(thread_idx.x)
+    var t = w // KS
+    var kw = w % KS
     # each warp stages only its part of the tile's scales (_lean_tile)
     comptime sm_bytes = _lean_scale_bytes(KS)
-    var sms = stack_allocation[KS * sm_bytes, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
+    var sms = stack_allocation[NW * sm_bytes, UInt8, alignment=16, address_space=AddressSpace.SHARED]()
     var sm = sms + w * sm_bytes
-    var xss = stack_allocation[KS * LEAN_X_WORDS, UInt32, alignment=16, address_space=AddressSpace.SHARED]()
+    var xss = stack_allocation[NW * LEAN_X_WORDS, UInt32, alignment=16, address_space=AddressSpace.SHARED]()
     var xs = xss + w * LEAN_X_WORDS
-    var red = stack_allocation[KS * 128, Float32, alignment=16, address_space=AddressSpace.SHARED]()
-    var bw = stack_allocation[16, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    var red = stack_allocation[NW * 128, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    var bws = stack_allocation[16 * tpb, Float32, alignment=16, address_space=AddressSpace.SHARED]()
+    var bw = bws + 16 * t
     if block_idx.x == 0 and block_idx.y == 0:
-        for i in range(tid, n_counters, KS * 32):
+        for i in range(tid, n_counters, NW * 32):
             counters[unsafe_offset=i] = 0
     var e: Int
     comptime if route > 0:
@@ -1015,24 +1031,29 @@ def gate_up_lean_kernel[
     if e < 0 or e >= n_experts:
         return  # the whole block: every warp finds the same e
     var nchunks = hidden // 32
-    var kc0 = nchunks * w // KS
-    var nloc = nchunks * (w + 1) // KS - kc0
-    var r0 = Int(block_idx.x) * 16
-    if w == 0:
+    var kc0 = nchunks * kw // KS
+    var nloc = nchunks * (kw + 1) // KS - kc0
+    var r0 = (Int(block_idx.x) * tpb + t) * 16
+    var live = True
+    comptime if tpb > 1:
+        live = r0 < rows  # the grid's last block may hold fewer tiles
+    if kw == 0 and live:
         if lane < 16 and r0 + lane < rows:
             async_copy[4](
                 bias.unsafe_offset(e * rows + r0 + lane).unsafe_address_space_cast[AddressSpace.GLOBAL](), bw + lane
             )
     async_copy_commit_group()
-    var acc = _lean_tile(blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs, counters, 0)
+    var acc = SIMD[DType.float32, 4](0)
+    if live:
+        acc = _lean_tile(blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs, counters, 0)
     comptime if KS > 1:
         (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
-    if w != 0:
+    if kw != 0 or not live:
         return
     comptime for j in range(1, KS):
-        acc += (red + (j * 32 + lane) * 4).unsafe_load[width=4, alignment=16](0)
+        acc += (red + ((w + j) * 32 + lane) * 4).unsafe_load[width=4, alignment=16](0)
     _lean_swiglu_out(acc, bw, h, Int(block_idx.y), r0, rows)
 
 
@@ -1449,8 +1470,8 @@ def _launch_gate_up_lean[
     ctx.enqueue_function[gate_up_lean_kernel[route]](
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
-        grid_dim=((rows + 15) // 16, top_k),
-        block_dim=LEAN_KS * 32,
+        grid_dim=((rows + 16 * LEAN_TPB - 1) // (16 * LEAN_TPB), top_k),
+        block_dim=_lean_block_warps(LEAN_TPB) * 32,
         attributes=pdl_attributes(True),
     )
 
