@@ -15,6 +15,11 @@ than 0 in the graph rows only. In graph replay it also times PDL on some launche
 1 the gate_up stand-in, 2 the down, 4 the head) and every kernel signalling its dependents after
 its weight stream instead of at its start (`late`): which edges PDL helps and which it hurts.
 
+On the H200 (2026-11-30) it found no such pathology: the pre-wait loads saved 0.5-0.8 µs per
+layer everywhere. The e2e losses turned out to be the e2e bench's two step-time modes (v26 ran
+at 600 tok/s in the fast one), so v26 is on main. `--soak N` replays the chain N times back to
+back with the GPU's clocks sampled, to see whether replay times are bimodal below MAX too.
+
 Builds the probe with nvcc for sm_90a, runs it, prints a table and writes
 <out>/pdl_prewait_probe_<gpu>_<yyyymmdd>.json. Needs nvcc and an sm_90 GPU (not MAX or torch).
 """
