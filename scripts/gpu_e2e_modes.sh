@@ -46,4 +46,5 @@ for f in glob.glob(sys.argv[1] + "/e2e_*.json"):
                 print(f"  gpu {b.get('gpu_state')}\n  host {b.get('host_state')}")
 PY
 done
+python3 scripts/e2e_modes.py "$out"
 echo "all: $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,40 @@
+"""scripts/e2e_modes.py: e2e runs sorted into the two step-time modes, with what came with each."""
+
+from __future__ import annotations
+
+import json
+
+from script_loader import load_script
+
+modes = load_script("scripts/e2e_modes.py", "e2e_modes")
+
+
+def _write(path, p50, collections, gc="default", clocks=None):
+    batch = {"batch": 1, "decode_tok_s": 1000 / p50, "tpot_p50_ms": p50, "gc_collections": collections,
+             "tpot_quarters_ms": [p50] * 4, "gpu_state": {"before": clocks, "after": clocks}}  # fmt: skip
+    worker = {"gc": gc, "batches": [batch]}
+    path.write_text(json.dumps({"runs": {"synthetic:20b default": {"workers": {"ours-graphs": worker}}}}))
+
+
+def test_runs_split_at_the_geometric_mean_and_keep_their_collections(tmp_path, capsys):
+    clocks = {"clocks.sm": "1980 MHz", "clocks.mem": "3201 MHz", "clocks_throttle_reasons.active": "0x0"}
+    _write(tmp_path / "e2e_a.json", 1.66, [4, 0, 0], clocks=clocks)
+    _write(tmp_path / "e2e_b.json", 2.14, [3, 1, 0], gc="freeze")
+    (tmp_path / "sub").mkdir()
+    _write(tmp_path / "sub" / "e2e_c.json", 1.70, [4, 0, 0])
+    rows = modes.label(modes.runs([tmp_path]), 1.15)
+    by_file = {r["file"]: r for r in rows}
+    assert [by_file[f]["mode"] for f in ("e2e_a.json", "e2e_b.json", "e2e_c.json")] == ["fast", "slow", "fast"]
+    assert by_file["e2e_b.json"]["gc_mode"] == "freeze" and by_file["e2e_b.json"]["gc_collections"] == [3, 1, 0]
+    assert by_file["e2e_a.json"]["clocks"] == ["1980 MHz/3201 MHz 0x0"] * 2
+    # within the spread: no labels
+    assert {r["mode"] for r in modes.label(modes.runs([tmp_path / "e2e_a.json", tmp_path / "sub"]), 1.15)} == {"-"}
+    assert modes.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and out[0].startswith("| file |")
+    assert [ln for ln in out if "| slow |" in ln] == [ln for ln in out if "e2e_b.json" in ln]
+
+
+def test_no_runs_is_an_error(tmp_path, capsys):
+    assert modes.main([str(tmp_path)]) == 1
+    assert "no e2e runs" in capsys.readouterr().err
