@@ -120,7 +120,19 @@ def test_gpu_state_reads_clocks_and_throttle_reasons(monkeypatch):
     assert (
         "--query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw,pstate" in calls[0]
     )
-    # a field nvidia-smi does not know comes back as an error line: no state rather than a wrong one
+    # a driver that knows the throttle reasons only as clock event reasons: asked again by that name
+    calls.clear()
+
+    def newer_driver(cmd, **kw):
+        calls.append(cmd)
+        if "throttle" in cmd[1]:
+            return subprocess.CompletedProcess(cmd, 2, "Field clocks_throttle_reasons.active is not valid\n", "")
+        return subprocess.CompletedProcess(cmd, 0, "1980 MHz, 3201 MHz, 0x0000000000000001, 40, 99.0 W, P0\n", "")
+
+    monkeypatch.setattr(e2e.subprocess, "run", newer_driver)
+    assert e2e.gpu_state()["clocks_throttle_reasons.active"] == "0x0000000000000001"
+    assert len(calls) == 2 and "clocks_event_reasons.active" in calls[1][1]
+    # a field neither knows comes back as an error line: no state rather than a wrong one
     monkeypatch.setattr(
         e2e.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2, "Field error\n", "")
     )

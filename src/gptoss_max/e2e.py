@@ -416,17 +416,17 @@ def gpu_state() -> dict[str, str] | None:
     clocks as one in the fast mode rules clocks out."""
     if not shutil.which("nvidia-smi"):
         return None
-    out = subprocess.run(
-        ["nvidia-smi", f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader", "-i", "0"],
-        capture_output=True,
-        text=True,
-    )
-    values = [v.strip() for v in out.stdout.strip().split(",")]
-    return (
-        dict(zip(GPU_STATE_FIELDS, values, strict=True))
-        if out.returncode == 0 and len(values) == len(GPU_STATE_FIELDS)
-        else None
-    )
+    # newer drivers call the throttle reasons "clock event reasons"; one name or the other
+    for fields in (GPU_STATE_FIELDS, tuple(f.replace("throttle", "event") for f in GPU_STATE_FIELDS)):
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader", "-i", "0"],
+            capture_output=True,
+            text=True,
+        )
+        values = [v.strip() for v in out.stdout.strip().split(",")]
+        if out.returncode == 0 and len(values) == len(GPU_STATE_FIELDS):
+            return dict(zip(GPU_STATE_FIELDS, values, strict=True))
+    return None
 
 
 GC_MODES = ("default", "collect", "freeze", "off")
