@@ -248,3 +248,44 @@ def test_device_sync_enabled_reads_max_debug_flag():
             assert maxapi.device_sync_enabled() is value
     finally:
         InferenceSession.debug.device_sync_mode = before
+
+
+def test_grammars_never_let_a_string_hold_bytes_no_utf8_text_has(tmp_path):
+    """MAX's xgrammar takes the lone byte tokens C0, C1 and F5-F7 as starts of characters, so a
+    3-character string could come out as `We` + 4 U+FFFD (seen once in test_server_e2e);
+    maxapi.mask_never_utf8_tokens makes them special in every backend MAX builds."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from gptoss_max.hf_tokenizer import VOCAB_SIZE, write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    never = maxapi.never_utf8_token_ids(tok)
+    vocab = {i: t for t, i in tok.get_vocab().items()}
+    decoder = maxapi._byte_level_decoder()
+    assert {bytes([decoder[c] for c in vocab[i]]) for i in never} >= {bytes([b]) for b in (0xC0, 0xC1, 0xF5, 0xFF)}
+    assert all("\ufffd" in tok.decode([i]) for i in never)  # each decodes to a replacement character
+    assert len(never) < 64 and tok.convert_tokens_to_ids("We") not in never
+
+    sob = maxapi.max_structured_output
+    assert getattr(sob.special_token_ids_for, "masks_never_utf8", False)  # installed at import
+    maxapi.mask_never_utf8_tokens()  # idempotent
+    assert never <= sob.special_token_ids_for(None, tok)
+    schema = {"type": "object", "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 3}},
+              "required": ["code"], "additionalProperties": False}  # fmt: skip
+
+    def allowed_after_we(backend) -> set[int]:
+        matcher = backend.create_matcher(backend.compile_json_schema(schema))
+        prefix = tok.encode('{"code":"We', add_special_tokens=False)
+        assert matcher.try_consume_tokens(prefix) == len(prefix)
+        mask = backend.allocate_token_bitmask(1, VOCAB_SIZE)
+        backend.fill_next_token_bitmask(matcher, mask, 0)
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB_SIZE]
+        return set(np.nonzero(bits)[0].tolist())
+
+    ours = allowed_after_we(sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE))
+    plain = allowed_after_we(sob.XgrammarBackend.from_tokenizer_delegate(tok, VOCAB_SIZE, special_token_ids=[]))
+    assert plain & never  # MAX alone allows some of them here ...
+    assert not ours & never  # ... and none with the mask
+    assert plain - ours == plain & never and len(ours) > 1000  # nothing else lost

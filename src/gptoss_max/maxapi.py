@@ -38,8 +38,11 @@ from max.pipelines.lib import memory_estimation as max_memory_estimation
 from max.pipelines.lib.generate import GenerateIterator
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
+from max.pipelines.lib.pipeline_variants import structured_output_backend as max_structured_output
 from max.pipelines.modeling import config_enums
 from max.pipelines.modeling.types import RequestID, TextGenerationInputs, TextGenerationRequest
+
+from gptoss_max.tokenizer import NEVER_UTF8_BYTES
 
 # MAX's native library setenv()s PYTHONEXECUTABLE to the `python3` on PATH, so every child
 # process (MAX's own model worker included) would start outside this virtualenv. Undo it.
@@ -54,6 +57,61 @@ os.unsetenv("PYTHONEXECUTABLE")
 # MAX's two 120b plans on the H100 to the byte, and a capture run held ~77.5 GB whatever the model.
 MEMORY_MANAGER_SIZE_ENV = "MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT"
 MEMORY_MANAGER_DEFAULT_SHARE = 0.9
+
+
+# Grammar-constrained decoding and bytes no UTF-8 text holds. MAX's xgrammar takes a JSON string's
+# characters as UTF-8 by lead and continuation bytes only, so it lets a string hold the byte-level
+# vocabulary's lone tokens C0, C1 and F5-F7 (F8-FF it refuses), which no UTF-8 text contains.
+# Decoded, each becomes U+FFFD, and with the continuation bytes after it a string can come out
+# longer than its maxLength: a CPU test once got `{"code": "We\ufffd\ufffd\ufffd\ufffd"}` for a
+# 3-character code (four bytes the grammar took for one character: one of these leads, or one of
+# the context cases below). MAX
+# marks ids "special" per tokenizer (excluded from string contents, kept where a grammar names
+# them by id); `mask_never_utf8_tokens` adds these ids to that set in every grammar backend
+# built after it (idempotent; called at import, so in MAX's model worker too, which imports our
+# architecture before it builds its pipeline). Sequences that are invalid only in context (a
+# surrogate ED A0.., an overlong E0 80.. or F0 80.., F4 90.. above U+10FFFF) cannot be masked
+# per token without losing valid characters; xgrammar still allows them.
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode), character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+def never_utf8_token_ids(tokenizer_delegate: Any) -> set[int]:
+    """Ids of a byte-level tokenizer's tokens holding a byte in NEVER_UTF8_BYTES (tokens outside
+    the byte-level alphabet, the special ones, are left out)."""
+    decoder = _byte_level_decoder()
+    ids = set()
+    for token, idx in tokenizer_delegate.get_vocab().items():
+        raw = [decoder.get(c) for c in token]
+        if None not in raw and any(b in NEVER_UTF8_BYTES for b in raw):
+            ids.add(int(idx))
+    return ids
+
+
+def mask_never_utf8_tokens() -> None:
+    """Make every xgrammar backend MAX builds from now on treat never_utf8_token_ids as special."""
+    base = max_structured_output.special_token_ids_for
+    if getattr(base, "masks_never_utf8", False):
+        return
+
+    def special_token_ids_for(tool_parser_name: str | None, tokenizer_delegate: Any) -> set[int]:
+        return set(base(tool_parser_name, tokenizer_delegate)) | never_utf8_token_ids(tokenizer_delegate)
+
+    special_token_ids_for.masks_never_utf8 = True  # type: ignore[attr-defined]
+    max_structured_output.special_token_ids_for = special_token_ids_for
+
+
+mask_never_utf8_tokens()
 
 
 def device_sync_enabled() -> bool:

