@@ -264,7 +264,9 @@ def test_grammars_never_let_a_string_hold_bytes_no_utf8_text_has(tmp_path):
     never = maxapi.never_utf8_token_ids(tok)
     vocab = {i: t for t, i in tok.get_vocab().items()}
     decoder = maxapi._byte_level_decoder()
-    assert {bytes([decoder[c] for c in vocab[i]]) for i in never} >= {bytes([b]) for b in (0xC0, 0xC1, 0xF5, 0xFF)}
+    raw = maxapi.token_bytes(tok)
+    assert raw[tok.convert_tokens_to_ids("ĠWe")] == b" We" and raw[200005] == b"<|channel|>"
+    assert {raw[i] for i in never} >= {bytes([b]) for b in (0xC0, 0xC1, 0xF5, 0xFF)}
     assert all("\ufffd" in tok.decode([i]) for i in never)  # each decodes to a replacement character
     assert len(never) < 64 and tok.convert_tokens_to_ids("We") not in never
 
@@ -284,8 +286,30 @@ def test_grammars_never_let_a_string_hold_bytes_no_utf8_text_has(tmp_path):
         bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB_SIZE]
         return set(np.nonzero(bits)[0].tolist())
 
-    ours = allowed_after_we(sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE))
+    backend = sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE)
+    ours = allowed_after_we(backend)
     plain = allowed_after_we(sob.XgrammarBackend.from_tokenizer_delegate(tok, VOCAB_SIZE, special_token_ids=[]))
     assert plain & never  # MAX alone allows some of them here ...
     assert not ours & never  # ... and none with the mask
     assert plain - ours == plain & never and len(ours) > 1000  # nothing else lost
+
+    # after a lone lead byte whose next byte UTF-8 restricts, only that range may follow
+    def first_bytes_after(lead: int, matcher=None, backend=backend) -> set[int]:
+        if matcher is None:
+            matcher = backend.create_matcher(backend.compile_json_schema(schema))
+            prefix = tok.encode('{"code":"W', add_special_tokens=False)
+            lone = tok.convert_tokens_to_ids(next(c for c, b in decoder.items() if b == lead))
+            assert matcher.try_consume_tokens([*prefix, lone]) == len(prefix) + 1 and matcher.last_token == lone
+        mask = backend.allocate_token_bitmask(1, VOCAB_SIZE)
+        backend.fill_next_token_bitmask(matcher, mask, 0)
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB_SIZE]
+        return {decoder[vocab[i][0]] for i in np.nonzero(bits)[0].tolist() if i in vocab}
+
+    unguarded = sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE)
+    unguarded.utf8_guard = None
+    for lead, ok in maxapi.UTF8_SECOND_BYTE.items():
+        assert first_bytes_after(lead) == set(ok), hex(lead)
+        assert first_bytes_after(lead, backend=unguarded) == set(range(0x80, 0xC0)), hex(lead)  # xgrammar alone
+    e0 = backend.create_matcher(backend.compile_json_schema(schema))
+    e0.try_consume_tokens([*tok.encode('{"code":"W', add_special_tokens=False), tok.convert_tokens_to_ids("à")])
+    assert first_bytes_after(0xE0, e0.deep_copy()) == set(range(0xA0, 0xC0))  # a copy keeps the last token

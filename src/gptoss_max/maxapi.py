@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 # P2P signal buffers, which MAX reserves for gpt_oss even on one GPU (memory.py's plan).
 from max.nn.comm import Signals
 
@@ -71,7 +73,8 @@ MEMORY_MANAGER_DEFAULT_SHARE = 0.9
 # built after it (idempotent; called at import, so in MAX's model worker too, which imports our
 # architecture before it builds its pipeline). Sequences that are invalid only in context (a
 # surrogate ED A0.., an overlong E0 80.. or F0 80.., F4 90.. above U+10FFFF) cannot be masked
-# per token without losing valid characters; xgrammar still allows them.
+# per token without losing valid characters, so there the row xgrammar fills is narrowed after
+# a token that ends in such a lead (Utf8Guard).
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -86,29 +89,102 @@ def _byte_level_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
-def never_utf8_token_ids(tokenizer_delegate: Any) -> set[int]:
-    """Ids of a byte-level tokenizer's tokens holding a byte in NEVER_UTF8_BYTES (tokens outside
-    the byte-level alphabet, the special ones, are left out)."""
+def token_bytes(tokenizer_delegate: Any) -> dict[int, bytes]:
+    """A byte-level tokenizer's tokens as their bytes, by id (a special token's name, where its
+    characters are all in the byte-level alphabet, reads as its ASCII bytes: harmless here)."""
     decoder = _byte_level_decoder()
-    ids = set()
-    for token, idx in tokenizer_delegate.get_vocab().items():
-        raw = [decoder.get(c) for c in token]
-        if None not in raw and any(b in NEVER_UTF8_BYTES for b in raw):
-            ids.add(int(idx))
-    return ids
+    return {
+        int(idx): bytes(decoder[c] for c in token)
+        for token, idx in tokenizer_delegate.get_vocab().items()
+        if token and all(c in decoder for c in token)
+    }
+
+
+def never_utf8_token_ids(tokenizer_delegate: Any) -> set[int]:
+    """Ids of a byte-level tokenizer's tokens holding a byte in NEVER_UTF8_BYTES."""
+    return {i for i, raw in token_bytes(tokenizer_delegate).items() if any(b in NEVER_UTF8_BYTES for b in raw)}
+
+
+# The lead bytes whose next byte UTF-8 restricts to part of 80-BF, with that part.
+UTF8_SECOND_BYTE = {0xE0: range(0xA0, 0xC0), 0xED: range(0x80, 0xA0), 0xF0: range(0x90, 0xC0), 0xF4: range(0x80, 0x90)}
+
+
+class Utf8Guard:
+    """What xgrammar lets through after a lead byte of UTF8_SECOND_BYTE (a surrogate, an overlong
+    form, a code point past U+10FFFF): for each such lead, the packed bitmask words (MAX's int32
+    row layout) of the tokens that start with a continuation byte outside its range, and which
+    tokens end in that lead. `restrict(row, last)` clears those tokens from a filled row when the
+    last token taken ends in a lead."""
+
+    def __init__(self, tokenizer_delegate: Any, vocab_size: int) -> None:
+        words = (vocab_size + 31) // 32
+        self.ends_in: dict[int, int] = {}  # token id -> its last byte, a restricted lead
+        bits = {lead: np.zeros(words * 32, dtype=bool) for lead in UTF8_SECOND_BYTE}
+        for idx, raw in token_bytes(tokenizer_delegate).items():
+            if idx >= vocab_size:
+                continue
+            if raw[-1] in UTF8_SECOND_BYTE:
+                self.ends_in[idx] = raw[-1]
+            for lead, ok in UTF8_SECOND_BYTE.items():
+                if 0x80 <= raw[0] <= 0xBF and raw[0] not in ok:
+                    bits[lead][idx] = True
+        self.keep = {
+            lead: ~np.packbits(b, bitorder="little").view(np.int32) for lead, b in bits.items()
+        }  # the words to AND a row with
+
+    def restrict(self, row: Any, last: int | None) -> None:
+        lead = self.ends_in.get(last) if last is not None else None
+        if lead is not None:
+            n = min(len(row), len(self.keep[lead]))
+            row[:n] &= self.keep[lead][:n]
 
 
 def mask_never_utf8_tokens() -> None:
-    """Make every xgrammar backend MAX builds from now on treat never_utf8_token_ids as special."""
-    base = max_structured_output.special_token_ids_for
-    if getattr(base, "masks_never_utf8", False):
+    """Keep bytes no UTF-8 text holds out of grammar-constrained text, in every xgrammar backend
+    MAX builds from now on: never_utf8_token_ids become special tokens (above), and after a token
+    that ends in a lead byte of UTF8_SECOND_BYTE the next token's first byte must be in that
+    lead's range (the matcher remembers its last token; the backend's Utf8Guard clears the
+    rest from the row xgrammar fills). Idempotent."""
+    sob = max_structured_output
+    if getattr(sob.special_token_ids_for, "masks_never_utf8", False):
         return
+    base_ids = sob.special_token_ids_for
+    base_build = sob.XgrammarBackend.from_tokenizer_delegate.__func__  # type: ignore[attr-defined]
+    base_fill = sob.XgrammarBackend.fill_next_token_bitmask
+    base_consume = sob.XgrammarMatcher.try_consume_tokens
+    base_copy = sob.XgrammarMatcher.deep_copy
 
     def special_token_ids_for(tool_parser_name: str | None, tokenizer_delegate: Any) -> set[int]:
-        return set(base(tool_parser_name, tokenizer_delegate)) | never_utf8_token_ids(tokenizer_delegate)
+        return set(base_ids(tool_parser_name, tokenizer_delegate)) | never_utf8_token_ids(tokenizer_delegate)
+
+    def from_tokenizer_delegate(cls: Any, tokenizer_delegate: Any, vocab_size: int, *args: Any, **kwargs: Any) -> Any:
+        backend = base_build(cls, tokenizer_delegate, vocab_size, *args, **kwargs)
+        backend.utf8_guard = Utf8Guard(tokenizer_delegate, vocab_size)
+        return backend
+
+    def fill_next_token_bitmask(self: Any, matcher: Any, bitmask: Any, index: int) -> None:
+        base_fill(self, matcher, bitmask, index)
+        guard = getattr(self, "utf8_guard", None)
+        if guard is not None and not matcher.is_stopped():
+            guard.restrict(bitmask[index], getattr(matcher, "last_token", None))
+
+    def try_consume_tokens(self: Any, tokens: list[int]) -> int:
+        n = base_consume(self, tokens)
+        if n:
+            self.last_token = int(tokens[n - 1])
+        return n
+
+    def deep_copy(self: Any) -> Any:
+        twin = base_copy(self)
+        twin.last_token = getattr(self, "last_token", None)
+        return twin
 
     special_token_ids_for.masks_never_utf8 = True  # type: ignore[attr-defined]
-    max_structured_output.special_token_ids_for = special_token_ids_for
+    sob.special_token_ids_for = special_token_ids_for
+    sob.XgrammarBackend.from_tokenizer_delegate = classmethod(from_tokenizer_delegate)  # type: ignore[method-assign]
+    sob.XgrammarBackend.fill_next_token_bitmask = fill_next_token_bitmask  # type: ignore[method-assign]
+    sob.XgrammarMatcher.try_consume_tokens = try_consume_tokens  # type: ignore[method-assign]
+    sob.XgrammarMatcher.deep_copy = deep_copy  # type: ignore[method-assign]
 
 
 mask_never_utf8_tokens()
