@@ -313,3 +313,54 @@ def test_grammars_never_let_a_string_hold_bytes_no_utf8_text_has(tmp_path):
     e0 = backend.create_matcher(backend.compile_json_schema(schema))
     e0.try_consume_tokens([*tok.encode('{"code":"W', add_special_tokens=False), tok.convert_tokens_to_ids("à")])
     assert first_bytes_after(0xE0, e0.deep_copy()) == set(range(0xA0, 0xC0))  # a copy keeps the last token
+
+
+def test_random_walks_under_a_grammar_give_only_valid_utf8(tmp_path):
+    """Many random walks through a 3-character string schema, each token drawn from what the
+    backend allows (single-byte tokens favoured, where the holes were): with maxapi's masks every
+    accepted output decodes and validates; without the lead guard (special ids only) some do not."""
+    import json
+
+    import jsonschema
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from gptoss_max.hf_tokenizer import FIRST_SPECIAL, VOCAB_SIZE, write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    raw = maxapi.token_bytes(tok)
+    singles = np.array(sorted(i for i, b in raw.items() if len(b) == 1))
+    schema = {"type": "object", "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 3}},
+              "required": ["code"], "additionalProperties": False}  # fmt: skip
+
+    def invalid_outputs(backend, walks: int) -> int:
+        rng = np.random.default_rng(1)
+        grammar = backend.compile_json_schema(schema)
+        bad = 0
+        for _ in range(walks):
+            matcher, out = backend.create_matcher(grammar), b""
+            while not matcher.is_accepting() and len(out) < 200:
+                mask = backend.allocate_token_bitmask(1, VOCAB_SIZE)
+                backend.fill_next_token_bitmask(matcher, mask, 0)
+                allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB_SIZE].astype(bool)
+                allowed[FIRST_SPECIAL:] = False  # the stop tokens: walk until the grammar accepts
+                pick = (
+                    singles[allowed[singles]]
+                    if rng.random() < 0.7 and allowed[singles].any()
+                    else np.nonzero(allowed)[0]
+                )
+                t = int(rng.choice(pick))
+                assert matcher.try_consume_tokens([t]) == 1
+                out += raw[t]
+            try:
+                jsonschema.validate(json.loads(out.decode("utf-8", "replace")), schema)
+            except (ValueError, jsonschema.ValidationError):
+                bad += 1
+        return bad
+
+    sob = maxapi.max_structured_output
+    assert invalid_outputs(sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE), 120) == 0
+    unguarded = sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE)
+    unguarded.utf8_guard = None
+    assert invalid_outputs(unguarded, 120) > 0
