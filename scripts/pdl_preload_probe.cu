@@ -26,21 +26,7 @@
 #define CH (COLS / 8)  // 16-byte chunks per row
 #define PER_LANE (CH / 32)
 #define TABLE_WORDS (1u << 26)
-#define CK(x)                                                                            \
-    do {                                                                                 \
-        cudaError_t e_ = (x);                                                            \
-        if (e_ != cudaSuccess) {                                                         \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                     \
-        }                                                                                \
-    } while (0)
-
-__device__ __forceinline__ uint4 ld_na(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
+#include "probe_cuda.h"  // CK, ld_na
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};

@@ -30,15 +30,7 @@
 #else
 typedef unsigned long size_t;
 #endif
-
-#define CK(x)                                                                                    \
-    do {                                                                                         \
-        cudaError_t e_ = (x);                                                                    \
-        if (e_ != cudaSuccess) {                                                                 \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
+#include "probe_cuda.h"  // CK, ld_na
 
 #define LAYERS 24
 #define W1_BYTES (33u << 20)
@@ -62,14 +54,6 @@ __global__ void k_head(const uint4* __restrict__ w, const float* out, float* x, 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-__device__ __forceinline__ uint4 ld_nc(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ unsigned fold(uint4 v) { return v.x ^ (v.y * 3u) ^ (v.z * 5u) ^ (v.w * 7u); }
 
 // One warp's share [lo, hi) of w (in 16-byte units), 4 loads in flight per lane.
@@ -77,10 +61,10 @@ __device__ __forceinline__ unsigned stream(const uint4* w, size_t lo, size_t hi,
     unsigned lane = threadIdx.x & 31;
     size_t i = lo + lane;
     for (; i + 96 < hi; i += 128) {
-        uint4 a = ld_nc(w + i), b = ld_nc(w + i + 32), c = ld_nc(w + i + 64), d = ld_nc(w + i + 96);
+        uint4 a = ld_na(w + i), b = ld_na(w + i + 32), c = ld_na(w + i + 64), d = ld_na(w + i + 96);
         acc += fold(a) + fold(b) + fold(c) + fold(d);
     }
-    for (; i < hi; i += 32) acc += fold(ld_nc(w + i));
+    for (; i < hi; i += 32) acc += fold(ld_na(w + i));
     return acc;
 }
 
@@ -110,7 +94,7 @@ __global__ void __launch_bounds__(T2, 2) k_stream2(const uint4* __restrict__ w, 
     if (pre) {  // the first PRE_LOADS loads per lane before the wait, as v26's down
         uint4 v[PRE_LOADS];
 #pragma unroll
-        for (int k = 0; k < PRE_LOADS; k++) v[k] = ld_nc(w + lo + lane + 32 * k);
+        for (int k = 0; k < PRE_LOADS; k++) v[k] = ld_na(w + lo + lane + 32 * k);
         start = lo + 32 * PRE_LOADS;
         pdl_wait();
         if (!late) pdl_launch();

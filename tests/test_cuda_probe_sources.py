@@ -29,7 +29,9 @@ def nvrtc():
         """(compiled, NVRTC's log, PTX) of `source` for compute_90a with -D defines."""
         prog = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None) == 0
-        opts = [b"--gpu-architecture=compute_90a", b"-std=c++17", *(f"-D{k}={v}".encode() for k, v in defines.items())]
+        # the probes' shared header (probe_cuda.h) found by path, as nvcc finds it beside the source
+        opts = [b"--gpu-architecture=compute_90a", b"-std=c++17", f"--include-path={SCRIPTS}".encode()]
+        opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -189,7 +191,7 @@ def test_pdl_prewait_probe_host_code_compiles(tmp_path):
     assert gxx, "g++ is needed (.ci/run installs it)"
     src = tmp_path / "host.cpp"
     src.write_text((SCRIPTS / "pdl_prewait_probe.cu").read_text())
-    cmd = [gxx, "-std=c++17", "-fsyntax-only", "-DPROBE_HOST_CHECK", *includes, str(src)]
+    cmd = [gxx, "-std=c++17", "-fsyntax-only", "-DPROBE_HOST_CHECK", f"-I{SCRIPTS}", *includes, str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     # and it does report an error in that part
