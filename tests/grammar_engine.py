@@ -19,7 +19,7 @@ import numpy as np
 from gptoss_max.harmony.grammar import FIRST_SPECIAL, VOCAB_SIZE
 from gptoss_max.harmony.render import CALL, END_OF_TEXT, RETURN
 from gptoss_max.server.engine import Chunk, GenParams
-from gptoss_max.tokenizer import NEVER_UTF8_BYTES, O200K_FILE, harmony_encoding, tiktoken_dir
+from gptoss_max.tokenizer import O200K_FILE, harmony_encoding, never_utf8_ids, tiktoken_dir
 
 STOPS = (RETURN, CALL, END_OF_TEXT)
 Logits = Callable[[list[int]], np.ndarray]  # ids so far -> [VOCAB_SIZE] float32
@@ -44,8 +44,8 @@ def compiler():
 
     # Harmony's specials, and the tokens holding a byte no UTF-8 text has, as MAX's worker marks them
     # (maxapi.mask_never_utf8_tokens)
-    never = [i for i, t in enumerate(vocab()[:FIRST_SPECIAL]) if any(b in NEVER_UTF8_BYTES for b in t)]
-    specials = never + list(range(FIRST_SPECIAL, VOCAB_SIZE))
+    never = never_utf8_ids(dict(enumerate(vocab()[:FIRST_SPECIAL])))
+    specials = sorted(never) + list(range(FIRST_SPECIAL, VOCAB_SIZE))
     info = xgrammar.TokenizerInfo(vocab(), xgrammar.VocabType.RAW, VOCAB_SIZE, list(STOPS), False, specials)
     return xgrammar.GrammarCompiler(info, 2, True, -1)
 

