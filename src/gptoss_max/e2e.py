@@ -342,11 +342,12 @@ def cpu_spread(cpu: list[tuple[float, float]]) -> dict[str, Any]:
     if len(cpu) < 2:
         return {"cpu_quarters_ms": [], "thread_cpu_quarters_ms": []}
     arr = 1e3 * np.diff(np.array(cpu), axis=0)
+    return {"cpu_quarters_ms": quarter_medians(arr[:, 0]), "thread_cpu_quarters_ms": quarter_medians(arr[:, 1])}
 
-    def quarters(col: np.ndarray) -> list[float]:
-        return [round(float(np.median(q)), 4) for q in np.array_split(col, 4) if len(q)]
 
-    return {"cpu_quarters_ms": quarters(arr[:, 0]), "thread_cpu_quarters_ms": quarters(arr[:, 1])}
+def quarter_medians(values: np.ndarray) -> list[float]:
+    """The median of each quarter of `values`, in order (fewer than four when they are fewer)."""
+    return [round(float(np.median(q)), 4) for q in np.array_split(values, 4) if len(q)]
 
 
 def host_state() -> dict[str, Any]:
@@ -395,7 +396,7 @@ def step_spread(decode_start: float, decode_ends: list[float]) -> dict[str, Any]
         "tpot_p90_ms": float(np.percentile(dt, 90)),
         "tpot_max_ms": float(dt.max()),
         "slow_steps": int((dt > 2 * p50).sum()),
-        "tpot_quarters_ms": [round(float(np.median(q)), 4) for q in np.array_split(dt, 4) if len(q)],
+        "tpot_quarters_ms": quarter_medians(dt),
         "step_ms": [round(float(x), 4) for x in dt],
     }
 
