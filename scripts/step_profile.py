@@ -618,6 +618,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from gptoss_max.e2e import GC_MODES
+
     p = argparse.ArgumentParser(
         prog="scripts/step_profile.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -651,7 +653,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gc",
-        choices=["default", "collect", "freeze", "off"],
+        choices=GC_MODES,
         default="default",
         help="Python's garbage collector around the profiled run, as bench/e2e.py's --gc (collect: the warm-up's "
         "garbage freed first; the memcpy rows then show whether host copies stay pinned)",
