@@ -52,7 +52,6 @@ def table(result: dict) -> str:
     PDL on some launches only (`mask`: 1 gate_up, 2 down, 4 head) or late signals with the same
     chain and PDL on every launch."""
     rows = result["rows"]
-    full = {r["head"]: 7 if r["head"] else 3 for r in rows}
 
     def key(r: dict) -> tuple:
         return r["head"], r["graph"], r.get("mask", 7 if r["pdl"] else 0), r.get("late", 0)
@@ -65,8 +64,9 @@ def table(result: dict) -> str:
     ]
     for r in rows:
         head, graph, mask, late = key(r)
-        mask = mask & full.get(head, 7)
-        on_all = mask == full.get(head, 7)
+        every = 7 if head else 3  # PDL on every launch of the chain: without the head, 2 kernels
+        mask &= every
+        on_all = mask == every
         twin = None
         if r["pre"]:
             twin = base.get(key(r))
