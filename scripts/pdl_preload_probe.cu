@@ -26,7 +26,7 @@
 #define CH (COLS / 8)  // 16-byte chunks per row
 #define PER_LANE (CH / 32)
 #define TABLE_WORDS (1u << 26)
-#include "probe_cuda.h"  // CK, ld_na
+#include "probe_cuda.h"  // CK, launch, ld_na
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
@@ -138,18 +138,8 @@ struct Bufs {
 };
 
 static void launch_oproj(const Bufs& B, int copy, bool pdl, int pieces, cudaStream_t s) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(NBLK);
-    cfg.blockDim = dim3(256);
-    cfg.dynamicSmemBytes = RB * COLS * 2;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, oproj_smem, (const __nv_bfloat16*)B.w[copy], (const uint4*)B.x,
-                          (const __nv_bfloat16*)B.b, B.y16, pieces));
+    launch(oproj_smem, NBLK, 256, RB * COLS * 2, s, pdl, (const __nv_bfloat16*)B.w[copy], (const uint4*)B.x,
+           (const __nv_bfloat16*)B.b, B.y16, pieces);
 }
 
 // kind: 0 chain only, 1 chain + gemv_warp, 2 chain + oproj_smem, 3 chain + oproj_smem (PDL),

@@ -30,7 +30,7 @@
 #else
 typedef unsigned long size_t;
 #endif
-#include "probe_cuda.h"  // CK, ld_na
+#include "probe_cuda.h"  // CK, launch, ld_na
 
 #define LAYERS 24
 #define W1_BYTES (33u << 20)
@@ -138,21 +138,6 @@ struct Bufs {
     uint4 *w1, *w2, *w3;
     float *x, *h, *out;
 };
-
-template <typename K, typename... A>
-static void launch(K kernel, int grid, int block, int smem, cudaStream_t s, bool pdl, A... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(block);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
 
 // mask: which kernels launch with the PDL attribute (1 the gate_up stand-in, 2 the down, 4 the
 // head); late: every kernel signals its dependents after its weight stream, not at its start.

@@ -1,4 +1,5 @@
-// What the nvcc-built GPU probes under scripts/ share (pdl_preload_probe.cu, pdl_prewait_probe.cu).
+// What the nvcc-built GPU probes under scripts/ share (pdl_preload_probe.cu, pdl_prewait_probe.cu):
+// a checked runtime call, a launch with or without PDL, and a 16-byte streaming load.
 // Under NVRTC (tests/test_cuda_probe_sources.py) only the device part is compiled; under g++ with
 // -DPROBE_HOST_CHECK (the host-code check of the same tests) only the host part.
 #pragma once
@@ -17,6 +18,23 @@
             exit(1);                                                                             \
         }                                                                                        \
     } while (0)
+
+// `kernel<<<grid, block, smem, s>>>(args...)`, with programmatic stream serialization (PDL) when
+// `pdl`: the kernel may then start while the one before it in `s` still runs.
+template <typename K, typename... A>
+static void launch(K kernel, int grid, int block, int smem, cudaStream_t s, bool pdl, A... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
 #endif
 
 #ifndef PROBE_HOST_CHECK
