@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Sort e2e runs into the two step-time modes and show what came with each (bench/NOTES.md,
-"Twelfth session": 20b batch-1 runs on the H200 stepped at ~1.66 or ~2.14 ms, whichever the tree).
+"Twelfth session": 20b batch-1 runs on the H200 stepped at ~1.66 or ~2.14 ms, whichever the tree;
+"Thirteenth session": these are slow stretches of a few to ~1,000 steps, anywhere in a run).
 
 For each worker batch in the given e2e JSON files (bench/e2e.py's, or directories holding them):
 the run's median step, its quarters' medians and CPU time per step where recorded, Python's
@@ -8,6 +9,13 @@ collections by generation during the timed batch, the `--gc` mode, and the GPU's
 throttle reasons before and after. Runs of the same model and batch are labelled `fast` or
 `slow` when their medians spread by more than --spread (split at the geometric mean of the
 fastest and slowest), so a cause shows as a column that changes with the label.
+
+Where a run recorded every step (`step_ms`), its slow stretches too: steps whose 9-step running
+median is over --spread times the run's 10th percentile, as the share of steps, their count and
+the longest. Where it also recorded how long the host waited for the GPU each step
+(`sync_wait_ms`, device graphs), the median wait and the median host work (step less wait) in
+and out of the stretches: a stretch the host's own work grew through is the host's; one whose
+wait grew, the GPU's.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,8 +56,53 @@ def runs(paths: list[Path]) -> list[dict]:
                             "cpu_quarters_ms": b.get("cpu_quarters_ms"),
                             "gc_collections": b.get("gc_collections"),
                             "clocks": [_clocks(gs.get("before")), _clocks(gs.get("after"))],
+                            "step_ms": b.get("step_ms") or [],
+                            "sync_wait_ms": b.get("sync_wait_ms") or [],
                         }
                     )
+    return rows
+
+
+def stretches(step_ms: list[float], spread: float, window: int = 9) -> tuple[list[bool], list[tuple[int, int, float]]]:
+    """Which steps are in a slow stretch (their `window`-step running median over `spread` times
+    the run's 10th percentile), and the stretches as (first step, last step, their ms)."""
+    if not step_ms:
+        return [], []
+    base = statistics.quantiles(step_ms, n=10)[0] if len(step_ms) > 1 else step_ms[0]
+    half = window // 2
+    slow = [statistics.median(step_ms[max(0, i - half) : i + half + 1]) > spread * base for i in range(len(step_ms))]
+    found, first = [], None
+    for i, s in enumerate([*slow, False]):
+        if s and first is None:
+            first = i
+        elif not s and first is not None:
+            found.append((first, i - 1, round(sum(step_ms[first:i]), 1)))
+            first = None
+    return slow, found
+
+
+def split_waits(step_ms: list[float], waits: list[float], slow: list[bool]) -> dict[str, float | None]:
+    """Median wait for the GPU and median host work (step less wait) of the fast and slow steps."""
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 3) if xs else None
+
+    out: dict[str, float | None] = {}
+    for name, want in (("fast", False), ("slow", True)):
+        pick = [i for i, s in enumerate(slow) if s == want and i < len(waits)]
+        out[f"wait_{name}_ms"] = med([waits[i] for i in pick])
+        out[f"host_{name}_ms"] = med([step_ms[i] - waits[i] for i in pick])
+    return out
+
+
+def add_stretches(rows: list[dict], spread: float) -> list[dict]:
+    """Each row's slow stretches (share of steps, count, longest in ms) and, with waits, the split."""
+    for r in rows:
+        slow, found = stretches(r["step_ms"], spread)
+        r["slow_share"] = sum(slow) / len(slow) if slow else None
+        r["stretches"] = len(found)
+        r["longest_ms"] = max((ms for *_, ms in found), default=0.0)
+        r.update(split_waits(r["step_ms"], r["sync_wait_ms"], slow) if r["sync_wait_ms"] else {})
     return rows
 
 
@@ -74,24 +128,38 @@ def label(rows: list[dict], spread: float) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     cols = ["file", "model", "batch", "gc", "tok/s", "p50 ms", "mode", "quarters ms", "CPU quarters ms", "collections"]
+    cols += ["slow steps", "stretches (longest ms)", "wait fast / slow ms", "host fast / slow ms"]
     cols.append("clocks before / after")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
+        share = "-" if r.get("slow_share") is None else f"{100 * r['slow_share']:.0f} %"
         lines.append(
             f"| {r['file']} | {r['model']} | {r['batch']} | {r['gc_mode']} | {r['tok_s'] or 0:.1f} | "
             f"{r['p50_ms']:.3f} | "
             f"{r['mode']} | {r['quarters_ms'] or '-'} | {r['cpu_quarters_ms'] or '-'} | {r['gc_collections']} | "
+            f"{share} | {r.get('stretches', 0)} ({r.get('longest_ms', 0.0):.0f}) | "
+            f"{_pair(r.get('wait_fast_ms'), r.get('wait_slow_ms'))} | {_pair(r.get('host_fast_ms'), r.get('host_slow_ms'))} | "
             f"{' / '.join(c or '-' for c in r['clocks'])} |"
         )
     return "\n".join(lines)
 
 
+def _pair(a: float | None, b: float | None) -> str:
+    return "-" if a is None and b is None else f"{'-' if a is None else a} / {'-' if b is None else b}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", type=Path, help="e2e JSON files or directories holding them")
-    ap.add_argument("--spread", type=float, default=1.15, help="max / min median step above which runs split (1.15)")
+    ap.add_argument(
+        "--spread",
+        type=float,
+        default=1.15,
+        help="max / min median step above which runs split; also the running median over the 10th"
+        " percentile above which a step is slow (1.15)",
+    )
     args = ap.parse_args(argv)
-    rows = label(runs(args.paths), args.spread)
+    rows = add_stretches(label(runs(args.paths), args.spread), args.spread)
     if not rows:
         print("no e2e runs with step times found", file=sys.stderr)
         return 1

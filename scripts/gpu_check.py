@@ -69,14 +69,14 @@ def main() -> int:
             rows.append({"experts": experts, "encoding": args.encoding, "attention": args.attention, "part": part,
                          "compile_s": round(compile_s, 1), **agreement.as_dict()})  # fmt: skip
             print(f"{args.preset} {args.encoding} attn={args.attention} {experts:5s} {part:7s} {agreement}", flush=True)
-    result = {
-        "device": gpu.stdout.strip(),
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python3", *sys.argv]),
-        "preset": args.preset,
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(result, indent=2))
+        result = {
+            "device": gpu.stdout.strip(),
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join(["python3", *sys.argv]),
+            "preset": args.preset,
+            "rows": rows,
+        }
+        args.out.write_text(json.dumps(result, indent=2))  # after each kind: a timed-out call keeps the ones done
     return 0
 
 

@@ -1,19 +1,24 @@
 #!/bin/bash
-# Why do 20b batch-1 e2e runs on the H200 sit at ~1.66 or ~2.14 ms a step, whichever the tree?
-# (bench/NOTES.md, "Twelfth session"). One device call (docs/GPU.md; MAX staged for the e2e part):
+# Why do 20b batch-1 e2e steps on the H200 sit at ~1.63 ms or, in stretches of a few to ~1,000
+# steps, at ~2.1 ms? (bench/NOTES.md, "Twelfth session" and "Thirteenth session"). One device call
+# (docs/GPU.md; MAX staged for the e2e part):
 #   1. scripts/pdl_prewait_probe.py --soak: a MAX-free chain of stand-in kernels replayed back to
-#      back with the GPU's clocks sampled; bimodal replay times there put the cause below MAX;
+#      back with the GPU's clocks sampled; bimodal replay times there put the cause below MAX
+#      (2026-11-30: none in 30,000 replays);
 #   2. bench/e2e.py, 20b batch 1 with graphs, RUNS times while the call's time allows (the first
-#      compiles, ~4 min; later ones reuse the cache), alternating Python's collector as is and
-#      `--gc freeze` (every slow run so far had a generation-1 collection in its timed batch, every
-#      fast one none), each printing its collections, quarters' median step and CPU time, and the
-#      GPU's clocks and throttle reasons before and after.
-# Usage: scripts/gpu_e2e_modes.sh OUT_DIR [RUNS (4)] [OUTPUT_LEN (1024)] [BUDGET_S (560)]
+#      compiles, ~4 min; later ones reuse the cache), cycling Python's collector through GC_MODES
+#      (`--gc`; "default freeze" alternates, as on 2026-11-30, when freezing made no difference),
+#      each printing its collections, quarters' median step, CPU time and wait for the GPU per
+#      step, and the GPU's clocks and throttle reasons before and after;
+#   3. scripts/e2e_modes.py over them: the slow stretches, and whether the host's own work or
+#      its wait for the GPU grew through them.
+# Usage: scripts/gpu_e2e_modes.sh OUT_DIR [RUNS (4)] [OUTPUT_LEN (1024)] [BUDGET_S (560)] [GC_MODES ("default")]
 set -u
-out=${1:?usage: scripts/gpu_e2e_modes.sh OUT_DIR [RUNS] [OUTPUT_LEN] [BUDGET_S]}
+out=${1:?usage: scripts/gpu_e2e_modes.sh OUT_DIR [RUNS] [OUTPUT_LEN] [BUDGET_S] [GC_MODES]}
 runs=${2:-4}
 output_len=${3:-1024}
 budget=${4:-560}
+read -r -a gc_modes <<< "${5:-default}"
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$out"
 t0=$(date +%s)
@@ -29,7 +34,7 @@ for r in $(seq 1 "$runs"); do
   # the first run compiles (~250 s); later ones need ~90 s
   need=$([ "$r" = 1 ] && echo 270 || echo 100)
   if [ "$left" -lt "$need" ]; then echo "run $r: ${left} s left, stopping"; break; fi
-  gc_flag=$([ $((r % 2)) = 1 ] && echo default || echo freeze)
+  gc_flag=${gc_modes[$(( (r - 1) % ${#gc_modes[@]} ))]}
   timeout "$left" python3 bench/e2e.py --model synthetic:20b --batch 1 --stock off --graph-capture on \
     --output-len "$output_len" --gc "$gc_flag" --out "$out/e2e_$r" > "$out/e2e_$r.log" 2>&1
   echo "run $r (--gc $gc_flag) rc=$? at $(( $(date +%s) - t0 )) s"
@@ -42,7 +47,7 @@ for f in glob.glob(sys.argv[1] + "/e2e_*.json"):
             for b in res.get("batches", []):
                 print(f"  {w}: gc {b.get('gc_collections')}; tok/s {b['decode_tok_s']:.1f}; step p50 {b['tpot_p50_ms']:.3f} ms, quarters "
                       f"{b.get('tpot_quarters_ms')}; CPU quarters {b.get('cpu_quarters_ms')}, thread "
-                      f"{b.get('thread_cpu_quarters_ms')}")
+                      f"{b.get('thread_cpu_quarters_ms')}; waiting for the GPU {b.get('sync_wait_quarters_ms')}")
                 print(f"  gpu {b.get('gpu_state')}\n  host {b.get('host_state')}")
 PY
 done

@@ -65,6 +65,16 @@ def test_cpu_spread_gives_each_quarters_cpu_time_per_step():
     assert e2e.cpu_spread(cpu[:1]) == {"cpu_quarters_ms": [], "thread_cpu_quarters_ms": []}
 
 
+def test_wait_spread_gives_each_steps_wait_for_the_gpu():
+    # a GPU-bound first half (the host waits 0.4 ms a step), then a host-bound second (no wait)
+    waits = [0.0004] * 4 + [0.0] * 4
+    s = e2e.wait_spread(waits, overlapped=True)
+    assert s["sync_wait_quarters_ms"] == pytest.approx([0.4, 0.4, 0.0, 0.0])
+    assert s["sync_wait_ms"] == pytest.approx([0.4] * 4 + [0.0] * 4)
+    # no overlap pipeline (no device graphs): nothing was measured, not zero waits
+    assert e2e.wait_spread([0.0] * 8, overlapped=False) == {"sync_wait_quarters_ms": [], "sync_wait_ms": []}
+
+
 def test_host_state_reads_this_machine():
     state = e2e.host_state()
     assert state["cpus_allowed"] >= 1

@@ -38,3 +38,26 @@ def test_runs_split_at_the_geometric_mean_and_keep_their_collections(tmp_path, c
 def test_no_runs_is_an_error(tmp_path, capsys):
     assert modes.main([str(tmp_path)]) == 1
     assert "no e2e runs" in capsys.readouterr().err
+
+
+def test_slow_stretches_within_a_run_and_who_waited(tmp_path, capsys):
+    # 40 fast steps (GPU-bound: the host waits 0.3 ms of 1.66), a 20-step stretch at 2.14 ms whose
+    # wait stayed put (the host's own work grew), 40 fast again, and one lone slow step (not a stretch)
+    step = [1.66] * 40 + [2.14] * 20 + [1.66] * 40
+    step[90] = 4.0
+    wait = [0.3] * 100
+    slow, found = modes.stretches(step, 1.15)
+    assert found == [(40, 59, 42.8)] and sum(slow) == 20
+    split = modes.split_waits(step, wait, slow)
+    assert split == {"wait_fast_ms": 0.3, "host_fast_ms": 1.36, "wait_slow_ms": 0.3, "host_slow_ms": 1.84}
+    assert modes.stretches([], 1.15) == ([], [])
+
+    batch = {"batch": 1, "decode_tok_s": 590.0, "tpot_p50_ms": 1.66, "gc_collections": [4, 0, 0],
+             "step_ms": step, "sync_wait_ms": wait}  # fmt: skip
+    doc = {"runs": {"synthetic:20b default": {"workers": {"ours-graphs": {"gc": "default", "batches": [batch]}}}}}
+    (tmp_path / "e2e_s.json").write_text(json.dumps(doc))
+    (r,) = modes.add_stretches(modes.label(modes.runs([tmp_path]), 1.15), 1.15)
+    assert r["slow_share"] == 0.2 and r["stretches"] == 1 and r["longest_ms"] == 42.8
+    assert modes.main([str(tmp_path)]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert "| 20 % | 1 (43) | 0.3 / 0.3 | 1.36 / 1.84 |" in row

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import time
 
 import numpy as np
 
@@ -374,3 +376,37 @@ def test_random_walks_under_a_grammar_give_only_valid_utf8(tmp_path):
     unguarded = sob.make_grammar_backend("xgrammar", tok, VOCAB_SIZE)
     unguarded.utf8_guard = None
     assert invalid_outputs(unguarded, 120) > 0
+
+
+def test_overlap_sync_waits_times_the_wait_on_each_batchs_outputs():
+    # the touchpoint: MAX's in-flight batch waits for its outputs on `copy_event`, in this method
+    fields = {f.name for f in dataclasses.fields(maxapi.AsyncBatch)}
+    assert "copy_event" in fields
+    assert "self.copy_event.synchronize()" in inspect.getsource(maxapi.AsyncBatch.sync_and_process_outputs)
+
+    class Event:
+        def __init__(self, block_s):
+            self.block_s, self.synced = block_s, False
+
+        def synchronize(self):
+            time.sleep(self.block_s)
+            self.synced = True
+
+    class Batch:  # the shape of AsyncBatch that matters: sync on copy_event, then read outputs
+        def __init__(self, block_s):
+            self.copy_event = Event(block_s)
+
+        def sync_and_process_outputs(self, tag=None):
+            self.copy_event.synchronize()
+            return tag, self.copy_event.synced
+
+    original = Batch.sync_and_process_outputs
+    waits: list[float] = []
+    with maxapi.overlap_sync_waits(waits, batch_class=Batch) as seen:
+        assert seen is waits
+        assert Batch(0.02).sync_and_process_outputs(tag="a") == ("a", True)  # arguments, result and
+        assert Batch(0.0).sync_and_process_outputs() == (None, True)  # the event's own state pass through
+    assert Batch.sync_and_process_outputs is original
+    assert len(waits) == 2 and waits[0] >= 0.02 and waits[1] < 0.02
+    Batch(0.0).sync_and_process_outputs()  # restored: no longer timed
+    assert len(waits) == 2

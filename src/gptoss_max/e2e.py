@@ -266,6 +266,8 @@ def run_batch(
     steps = {"prefill": 0, "decode": 0}
     decode_ends: list[float] = []  # when each decode step returned (its tokens on the host)
     decode_cpu: list[tuple[float, float]] = []  # the process's and this thread's CPU time then
+    waits: list[float] = []  # every wait of the host for the GPU's outputs (overlap pipeline only)
+    decode_waits: list[float] = []  # their sum in each decode step
 
     def step(rows: list[int], phase: str) -> None:
         k = steps[phase]
@@ -275,11 +277,13 @@ def run_batch(
             for row in rows:
                 kv.alloc(live[row]).synchronize()
                 batch.append(live[row])
+            seen = len(waits)
             outputs = pipeline.execute(maxapi.TextGenerationInputs(batches=[batch]))
         now = time.perf_counter()
         if phase == "decode":
             decode_ends.append(now)
             decode_cpu.append((time.process_time(), time.thread_time()))
+            decode_waits.append(sum(waits[seen:]))
         for rid, out in outputs.items():
             hit = index.get(rid)
             if hit is None or hit not in live:
@@ -304,12 +308,13 @@ def run_batch(
         for row, c in enumerate(contexts):
             kv.claim(c, replica_idx=0)
             live[row] = c
-        t0 = time.perf_counter()
-        for group in waves([len(p) for p in batch_prompts], budget):
-            step([r for r in group if r in live], "prefill")
-        while live:
-            step(list(live), "decode")
-        t_end = time.perf_counter()
+        with maxapi.overlap_sync_waits(waits):
+            t0 = time.perf_counter()
+            for group in waves([len(p) for p in batch_prompts], budget):
+                step([r for r in group if r in live], "prefill")
+            while live:
+                step(list(live), "decode")
+            t_end = time.perf_counter()
     finally:
         gc.callbacks.remove(count_gc)
         for row in list(live):
@@ -329,6 +334,7 @@ def run_batch(
         "seconds": t_end - t0,
         **step_spread(decode_start, decode_ends),
         **cpu_spread([c for t, c in zip(decode_ends, decode_cpu, strict=True) if t > decode_start]),
+        **wait_spread([w for t, w in zip(decode_ends, decode_waits, strict=True) if t > decode_start], bool(waits)),
         "gc_collections": collections,
     }
 
@@ -343,6 +349,18 @@ def cpu_spread(cpu: list[tuple[float, float]]) -> dict[str, Any]:
         return {"cpu_quarters_ms": [], "thread_cpu_quarters_ms": []}
     arr = 1e3 * np.diff(np.array(cpu), axis=0)
     return {"cpu_quarters_ms": quarter_medians(arr[:, 0]), "thread_cpu_quarters_ms": quarter_medians(arr[:, 1])}
+
+
+def wait_spread(waits: list[float], overlapped: bool) -> dict[str, Any]:
+    """How long each decode step's host waited for the GPU (s, from maxapi.overlap_sync_waits;
+    the overlap pipeline only, so empty without device graphs): every step's wait in ms
+    (`sync_wait_ms`, beside `step_ms`) and each quarter's median. A step's time less its wait is
+    the host's own work: slow steps that waited as long as fast ones were the host's, slow steps
+    that waited longer, the GPU's."""
+    if not overlapped:
+        return {"sync_wait_quarters_ms": [], "sync_wait_ms": []}
+    arr = 1e3 * np.array(waits)
+    return {"sync_wait_quarters_ms": quarter_medians(arr), "sync_wait_ms": [round(float(x), 4) for x in arr]}
 
 
 def quarter_medians(values: np.ndarray) -> list[float]:
@@ -540,7 +558,8 @@ def worker(args: argparse.Namespace) -> int:
             f"{row['decode_tok_s'] or 0:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms"
             f" (median {row['tpot_p50_ms'] or 0:.2f}, max {row['tpot_max_ms'] or 0:.2f}, {row['slow_steps']} steps"
             f" over twice the median, garbage collections {row['gc_collections']}; quarters' median step"
-            f" {row['tpot_quarters_ms']} ms, CPU {row['cpu_quarters_ms']} ms)",
+            f" {row['tpot_quarters_ms']} ms, CPU {row['cpu_quarters_ms']} ms, waiting for the GPU"
+            f" {row['sync_wait_quarters_ms'] or '-'} ms)",
             flush=True,
         )
         save()
@@ -719,6 +738,7 @@ def _rows(
                 "tpot_p90_ms": _round(r.get("tpot_p90_ms"), 3),
                 "tpot_quarters_ms": [_round(q, 3) for q in r.get("tpot_quarters_ms", [])],
                 "cpu_quarters_ms": [_round(q, 3) for q in r.get("cpu_quarters_ms", [])],
+                "sync_wait_quarters_ms": [_round(q, 3) for q in r.get("sync_wait_quarters_ms", [])],
                 "tpot_max_ms": _round(r.get("tpot_max_ms"), 3),
                 "slow_steps": r.get("slow_steps"),
                 "peak_gpu_memory_bytes": r.get("peak_memory_bytes"),

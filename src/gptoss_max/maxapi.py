@@ -7,7 +7,11 @@ Pinned: max==26.7.0.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -41,6 +45,10 @@ from max.pipelines.lib.generate import GenerateIterator
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
 from max.pipelines.lib.pipeline_variants import structured_output_backend as max_structured_output
+
+# The overlap pipeline's in-flight batch (device graph capture): its host waits for the GPU in
+# `sync_and_process_outputs`, on `copy_event` (overlap_sync_waits).
+from max.pipelines.lib.pipeline_variants.overlap_text_generation import AsyncBatch
 from max.pipelines.modeling import config_enums
 from max.pipelines.modeling.types import RequestID, TextGenerationInputs, TextGenerationRequest
 
@@ -191,6 +199,44 @@ def mask_never_utf8_tokens() -> None:
 
 
 mask_never_utf8_tokens()
+
+
+class _TimedEvent:
+    """A batch's `copy_event` that adds the seconds its `synchronize()` blocked to `waits`."""
+
+    def __init__(self, event: Any, waits: list[float]):
+        self._event = event
+        self._waits = waits
+
+    def synchronize(self) -> None:
+        t0 = time.perf_counter()
+        self._event.synchronize()
+        self._waits.append(time.perf_counter() - t0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._event, name)
+
+
+@contextlib.contextmanager
+def overlap_sync_waits(waits: list[float] | None = None, batch_class: Any = AsyncBatch) -> Iterator[list[float]]:
+    """While open, appends to `waits` (a new list if None; yielded) the seconds the host spent
+    blocked on each overlap-pipeline batch's outputs (`AsyncBatch.sync_and_process_outputs` waits
+    on the batch's `copy_event`, the one wait of a replayed decode step), in order. A step whose
+    host waited ~0 was bound by the host's own work (MAX's Python, ours); one that waited long, by
+    the GPU. Patches the class for the duration, so one at a time."""
+    waits = [] if waits is None else waits
+    original = batch_class.sync_and_process_outputs
+
+    @functools.wraps(original)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.copy_event = _TimedEvent(self.copy_event, waits)
+        return original(self, *args, **kwargs)
+
+    batch_class.sync_and_process_outputs = timed
+    try:
+        yield waits
+    finally:
+        batch_class.sync_and_process_outputs = original
 
 
 def device_sync_enabled() -> bool:
