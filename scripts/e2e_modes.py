@@ -138,7 +138,8 @@ def table(rows: list[dict]) -> str:
             f"{r['p50_ms']:.3f} | "
             f"{r['mode']} | {r['quarters_ms'] or '-'} | {r['cpu_quarters_ms'] or '-'} | {r['gc_collections']} | "
             f"{share} | {r.get('stretches', 0)} ({r.get('longest_ms', 0.0):.0f}) | "
-            f"{_pair(r.get('wait_fast_ms'), r.get('wait_slow_ms'))} | {_pair(r.get('host_fast_ms'), r.get('host_slow_ms'))} | "
+            f"{_pair(r.get('wait_fast_ms'), r.get('wait_slow_ms'))} | "
+            f"{_pair(r.get('host_fast_ms'), r.get('host_slow_ms'))} | "
             f"{' / '.join(c or '-' for c in r['clocks'])} |"
         )
     return "\n".join(lines)
