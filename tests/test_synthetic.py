@@ -221,7 +221,7 @@ def test_make_checkpoint_command(tmp_path, capsys):
     assert (tmp_path / "b" / "model.safetensors").exists()
 
 
-def test_every_model_flag_takes_a_synthetic_spec():
+def test_every_model_flag_takes_a_synthetic_spec(monkeypatch):
     """generate (cli.resolve_model), serve (server.cli.pipeline_args) and the engine all map
     `synthetic:...` to the materialized directory."""
     import argparse
@@ -236,11 +236,30 @@ def test_every_model_flag_takes_a_synthetic_spec():
     serve = argparse.Namespace(model="synthetic:tiny,seed=9", devices="cpu", max_length=512, max_batch_size=1,
                                served_model_name=None)  # fmt: skip
     assert serve_pipeline_args(serve).model_path == want
-    # serve --graph-capture reaches MAX's runtime config on a GPU, and is refused on a CPU
-    serve.graph_capture = True
-    with pytest.raises(ValueError, match="graph capture needs a GPU"):
-        serve_pipeline_args(serve)
-    serve.devices = "gpu"
-    assert serve_pipeline_args(serve).runtime.device_graph_capture is True
-    serve.graph_capture = False
+    # serve --graph-capture reaches MAX's runtime config on a GPU, and `on` is refused on a CPU;
+    # `auto` (the default) is on for a GPU, off for a CPU and under --deterministic
+    assert serve_pipeline_args(serve).runtime.device_graph_capture is False  # no attribute: auto, CPU
+    for choice in ("on", True):
+        serve.graph_capture = choice
+        with pytest.raises(ValueError, match="graph capture needs a GPU"):
+            serve_pipeline_args(serve)
+    serve.graph_capture = "auto"
     assert serve_pipeline_args(serve).runtime.device_graph_capture is False
+    serve.devices = "gpu"
+    for choice, expect in (("on", True), (True, True), ("auto", True), ("off", False), (False, False)):
+        serve.graph_capture = choice
+        assert serve_pipeline_args(serve).runtime.device_graph_capture is expect, choice
+    monkeypatch.setenv("GPTOSS_MAX_DETERMINISTIC", "on")
+    serve.graph_capture = "auto"
+    assert serve_pipeline_args(serve).runtime.device_graph_capture is False
+
+
+def test_serve_graph_capture_flag_forms():
+    from gptoss_max.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).graph_capture == "auto"
+    assert parser.parse_args(["serve", "--graph-capture"]).graph_capture == "on"  # the bare flag, as before
+    assert parser.parse_args(["serve", "--graph-capture", "off"]).graph_capture == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--graph-capture", "sometimes"])

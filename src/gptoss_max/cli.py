@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["GPTOSS_MAX_DETERMINISTIC"] = "on"  # read where the model is built (the server's worker too)
         settings.export_device_sync()  # MAX is not imported yet: MODULAR_DEBUG still counts
         try:  # before anything loads: what engine.pipeline_args would refuse later
-            settings.check_deterministic(getattr(args, "graph_capture", False))
+            settings.check_deterministic(getattr(args, "graph_capture", "off") in (True, "on"))  # auto: off
         except ValueError as exc:
             parser.error(str(exc))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gptoss_max import settings
 from gptoss_max.cli import MODEL_HELP, add_deterministic_argument
 
 logger = logging.getLogger("gptoss_max.server")
@@ -47,15 +48,29 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds running streams may take to finish before they end as failed")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--enable-bench", action="store_true", help="turn on GET /bench")
-    p.add_argument("--graph-capture", action="store_true",
-                   help="GPU only: replay decode steps as captured device graphs (MAX's overlap pipeline; "
-                        "captures every batch size at start-up, ~30 s; measured by `gptoss-max bench`: "
-                        "20b batch 1 254 -> 335 tok/s on an H100)")  # fmt: skip
+    p.add_argument("--graph-capture", nargs="?", const="on", default="auto", choices=GRAPH_CAPTURE_CHOICES,
+                   help="replay decode steps as captured device graphs (MAX's overlap pipeline; captures every "
+                        "batch size at start-up). auto (the default): on when serving on a GPU without "
+                        "--deterministic, off otherwise; on (also the bare flag) refuses a CPU. Synthetic 20b, "
+                        "batch 1, H200: ~186 tok/s without, ~590 with (bench/results/e2e_h200_*)")  # fmt: skip
     add_deterministic_argument(p)
     p.add_argument("--constrained-reasoning-tokens", type=_non_negative, default=None, metavar="N",
                    help="under a response format or tool choice, cap each reasoning message at N tokens")  # fmt: skip
     p.set_defaults(func=serve_main)
     return p
+
+
+GRAPH_CAPTURE_CHOICES = ("auto", "on", "off")
+
+
+def graph_capture_wanted(choice: str | bool, on_gpu: bool) -> bool:
+    """`serve --graph-capture`: `on` / `off` as given (a bool as on / off), `auto` on a GPU unless
+    bit-repeatable runs were asked for (GPTOSS_MAX_DETERMINISTIC=on cannot capture graphs)."""
+    if isinstance(choice, bool):
+        return choice
+    if choice == "auto":
+        return on_gpu and not settings.deterministic()
+    return choice == "on"
 
 
 def _non_negative(text: str) -> int:
@@ -88,8 +103,7 @@ def pipeline_args(args: argparse.Namespace) -> Any:
         opts["max_length"] = args.max_length
     if args.max_batch_size:
         opts["max_batch_size"] = args.max_batch_size
-    if getattr(args, "graph_capture", False):
-        opts["graph_capture"] = True
+    opts["graph_capture"] = graph_capture_wanted(getattr(args, "graph_capture", "auto"), on_gpu)
     update: dict[str, Any] = {"task": PipelineTask.TEXT_GENERATION}
     if args.served_model_name:
         update["served_model_name"] = args.served_model_name
