@@ -94,6 +94,10 @@ def test_malformed_json_and_non_objects(server):
             None,
         ),
         ({"input": "hi", "model": "gpt-5"}, "model", "model_not_found"),
+        # OpenAI's metadata limits: 16 pairs, keys of up to 64 characters, values of up to 512
+        ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_value"),
+        ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65, "invalid_value"),
+        ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k", "invalid_value"),
     ],
 )
 def test_bad_requests_name_the_field(shared, body, param, code):
@@ -107,6 +111,46 @@ def test_bad_requests_name_the_field(shared, body, param, code):
     if code:
         assert err["code"] == code
     assert len(engine.prompts) == before, "nothing reached the engine"
+
+
+def _post_raw(http, path, raw):
+    return http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+def test_unpaired_surrogates_are_400_not_500(shared):
+    # JSON can escape half of a UTF-16 pair (\ud800); no UTF-8 text holds one, and Harmony's
+    # renderer failed on it with a 500 (found by hand against the tiny model's server)
+    engine, http = shared
+    model = engine.model_name
+    before = len(engine.prompts)
+    text_part = '[{"role": "user", "content": [{"type": "input_text", "text": "x\\udc00"}]}]'
+    cases = [
+        ('"input": "a\\ud800b"', "input"),
+        (f'"input": {text_part}', "input[0].content[0].text"),
+        ('"input": "hi", "metadata": {"k\\ud83d": "v"}', "metadata.k\\ud83d"),
+        ('"input": "hi", "instructions": "\\ud83d"', "instructions"),
+    ]
+    for fields, param in cases:
+        r = _post_raw(http, "/v1/responses", f'{{"model": "{model}", {fields}}}')
+        assert r.status_code == 400, (fields, r.text)
+        err = error_of(r)
+        assert err["param"] == param and err["code"] == "invalid_value", err
+    chat = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "\\udfff"}}]}}'
+    r = _post_raw(http, "/v1/chat/completions", chat)
+    assert r.status_code == 400 and error_of(r)["param"] == "messages[0].content"
+    assert len(engine.prompts) == before, "nothing reached the engine"
+    # a whole pair (an emoji, escaped) is text
+    r = _post_raw(http, "/v1/responses", f'{{"model": "{model}", "input": "\\ud83d\\ude00"}}')
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_paths_and_methods_are_openai_shaped(shared):
+    _, http = shared
+    r = http.get("/v1/nope")
+    assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+    assert "/v1/nope" in error_of(r)["message"]
+    r = http.put("/v1/responses")
+    assert r.status_code == 405 and error_of(r)["code"] == "method_not_allowed"
 
 
 def test_prompt_too_long(server):
@@ -160,6 +204,10 @@ def test_fuzzed_bodies_never_500(shared):
             assert r.status_code < 500, (field, value, r.text)
     r = http.post("/v1/responses", content=b'{"model": "m", "input": 1e999}')
     assert r.status_code == 400
+    for depth in (900, 100_000):  # deeper than Python's recursion limit, and not
+        nested = b'{"model": "m", "input": "hi", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+        r = http.post("/v1/responses", content=nested, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (depth, r.text)
     assert http.get("/health").status_code == 200
 
 

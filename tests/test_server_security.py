@@ -9,9 +9,11 @@ import socket
 import sys
 import time
 
+import fastapi
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from openai import OpenAI
 
 from gptoss_max.server.app import REMOVED_MAX_PATHS, build_app, mount
@@ -103,6 +105,15 @@ def test_max_routes_that_take_paths_are_not_mounted(tmp_path):
     hits = []
     for path in sorted(REMOVED_MAX_PATHS) + ["/v1/completions"]:
         app.add_api_route(path, lambda p=path: hits.append(p) or {"from": "max"}, methods=["POST"])
+
+    def max_raises():
+        raise fastapi.HTTPException(status_code=418, detail="teapot")
+
+    def max_handler(request, exc):  # as MAX's api_server registers one for fastapi's HTTPException
+        return JSONResponse({"max": exc.status_code}, status_code=exc.status_code)
+
+    app.add_api_route("/max-raises", max_raises, methods=["GET"])
+    app.add_exception_handler(fastapi.HTTPException, max_handler)
     engine = ScriptedEngine([FINAL], model_name="gpt-oss-max")
     mount(app, ServerState(engine, SQLiteStore(tmp_path / "r.sqlite3")))
     with serving(app) as base:
@@ -110,6 +121,13 @@ def test_max_routes_that_take_paths_are_not_mounted(tmp_path):
             body = {"lora_name": "x", "lora_path": str(tmp_path)}
             assert httpx.post(f"{base}{path}", json=body).status_code == 404, path
         assert httpx.post(f"{base}/v1/completions", json={}).json() == {"from": "max"}
+        # the router's own 404 / 405 get OpenAI's error shape on MAX's app too (MAX leaves them
+        # as {"detail": ...}); MAX's handler for its own HTTPExceptions stays
+        r = httpx.get(f"{base}/v1/nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        r = httpx.get(f"{base}/v1/completions")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+        assert httpx.get(f"{base}/max-raises").json() == {"max": 418}
     assert hits == ["/v1/completions"]
 
 

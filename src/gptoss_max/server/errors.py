@@ -98,9 +98,50 @@ async def read_json_object(request: Request) -> dict[str, Any]:
         raise bad_request(
             f"The request body is not valid JSON: {exc}.", code="invalid_json"
         ) from None
+    except RecursionError:  # Python's parser recurses per level of nesting
+        raise bad_request("The request body nests arrays or objects too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    where = _unpaired_surrogate(body)
+    if where is not None:  # JSON may escape one (\ud800); no UTF-8 text holds it, so nothing downstream could
+        raise bad_request(
+            f"Invalid value for {where or 'the request body'!r}: it holds an unpaired UTF-16 surrogate "
+            "escape, which is not text.",
+            where or None,
+            "invalid_value",
+        )
     return body
+
+
+def _unpaired_surrogate(body: dict[str, Any]) -> str | None:
+    """The parameter path of the first string (value or key) in `body` that holds an unpaired
+    UTF-16 surrogate, else None; a key's own surrogates are written as escapes in the path.
+    Walked without recursion: the parser takes nesting deeper than Python's stack would."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if not _is_utf8(value):
+                return path
+        elif isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                here = f"{path}.{key}" if path else str(key)
+                if not _is_utf8(str(key)):
+                    return here.encode("utf-8", "backslashreplace").decode()
+                items.append((here, item))
+            todo.extend(reversed(items))  # popped in order: the first offender is reported
+        elif isinstance(value, list):
+            todo.extend(reversed([(f"{path}[{i}]", item) for i, item in enumerate(value)]))
+    return None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -112,9 +153,16 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return bad_request(str(exc)).response()
 
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, str(exc.detail)).response()
+    if exc.status_code in (404, 405):  # the router's own: say what was asked for
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return APIError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code)).response()
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -123,9 +171,13 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_handlers(app: FastAPI, *, http_errors: bool = True) -> None:
-    """OpenAI-shaped bodies for our errors (and, standalone, for every other error too)."""
+    """OpenAI-shaped bodies for our errors (and, standalone, for every other error too).
+
+    On MAX's app (`http_errors=False`) MAX's handlers stay for its validation errors, its
+    `fastapi.HTTPException`s and the rest; only the router's own 404 / 405 (Starlette's
+    HTTPException, which MAX leaves as `{"detail": ...}`) get ours."""
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     if http_errors:
         app.add_exception_handler(RequestValidationError, _validation_error)
-        app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_exception_handler(Exception, _unexpected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError
 
 from gptoss_max.server.errors import APIError, bad_request
 
@@ -13,6 +13,13 @@ ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# OpenAI's limits on `metadata`: up to 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+    Field(max_length=16),
+]
 
 
 class TextPart(Strict):
@@ -123,7 +130,7 @@ class ResponsesRequest(Strict):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
@@ -210,7 +217,7 @@ class ChatRequest(Strict):
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     store: Literal[False] | None = None
     # Sent as defaults by many clients: accepted at their no-op values only.
