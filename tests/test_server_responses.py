@@ -122,6 +122,46 @@ def test_tool_round_trip_with_previous_response_id(make):
     assert prompt3.endswith("<|start|>user<|message|>Thanks!<|end|><|start|>assistant")
 
 
+def test_input_items_list_the_whole_conversation_a_page_at_a_time(make):
+    engine, client, base = make([TOOL_CALL, AFTER_TOOL, FINAL])
+    first = client.responses.create(model=engine.model_name, input="Weather?", tools=[WEATHER_TOOL])
+    call = first.output[-1]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp":20}'}
+    second = client.responses.create(model=engine.model_name, previous_response_id=first.id,
+                                     tools=[WEATHER_TOOL], input=[output])  # fmt: skip
+    third = client.responses.create(model=engine.model_name, previous_response_id=second.id, input="Thanks!")
+
+    # the first response's input: the string, as a user message with an id
+    (item,) = client.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.role == "user" and item.id.startswith("msg_")
+    assert [c.text for c in item.content] == ["Weather?"] and item.content[0].type == "input_text"
+
+    # the third's: every earlier input and output (with the ids the outputs were given), then "Thanks!"
+    want = [item.id, *(o.id for o in first.output)]
+    listed = client.responses.input_items.list(third.id, order="asc", limit=100).data
+    assert [i.id for i in listed][: len(want)] == want
+    assert [i.type for i in listed] == (["message"] + [o.type for o in first.output] + ["function_call_output"]
+                                        + [o.type for o in second.output] + ["message"])  # fmt: skip
+    assert listed[len(want)].call_id == call.call_id and listed[len(want)].id.startswith("fco_")
+    assert [c.text for c in listed[-1].content] == ["Thanks!"]
+    assert [i.id for i in listed[len(want) + 1 : -1]] == [o.id for o in second.output]
+
+    # desc (the default) is newest first; the SDK pages through `after` by itself
+    pages = client.responses.input_items.list(third.id, limit=2)
+    assert [i.id for i in pages.data] == [listed[-1].id, listed[-2].id] and pages.has_more
+    assert [i.id for i in pages] == [i.id for i in reversed(listed)]  # every page, in order
+    page = httpx.get(f"{base}/v1/responses/{third.id}/input_items",
+                     params={"order": "asc", "after": listed[0].id, "before": listed[3].id}).json()  # fmt: skip
+    assert [i["id"] for i in page["data"]] == [listed[1].id, listed[2].id] and not page["has_more"]
+    assert page["first_id"] == listed[1].id and page["last_id"] == listed[2].id
+
+    for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        r = httpx.get(f"{base}/v1/responses/{third.id}/input_items", params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_stateless_round_trip_renders_the_same_prompt(make):
     engine, client, _ = make([TOOL_CALL, AFTER_TOOL, TOOL_CALL, AFTER_TOOL])
     first = client.responses.create(model=engine.model_name, input="Weather?", tools=[WEATHER_TOOL])

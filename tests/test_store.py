@@ -30,12 +30,14 @@ def test_put_get_delete_and_reopen(spec):
     history = hm.to_json([hm.user("hi"), hm.function_call("f", "{}")])
     store = open_store(spec)
     assert store.schema_version() == SCHEMA_VERSION
-    store.put({"id": "resp_1", "output": []}, history, {"call_1": "f"})
-    store.put({"id": "resp_1", "output": [1], "z": 1, "a": 2}, history, {"call_1": "f"})  # replaces
+    store.put({"id": "resp_1", "output": []}, history, {"call_1": "f"}, [])
+    items = [{"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    store.put({"id": "resp_1", "output": [1], "z": 1, "a": 2}, history, {"call_1": "f"}, items)  # replaces
     store.close()
     again = open_store(spec)
     got = again.get("resp_1")
     assert got.response == {"id": "resp_1", "output": [1], "z": 1, "a": 2} and got.calls == {"call_1": "f"}
+    assert got.input_items == items
     assert list(got.response) == ["id", "output", "z", "a"], "stored as written"
     assert [m.recipient for m in hm.from_json(got.history)] == [None, "functions.f"]
     assert again.get("resp_2") is None
@@ -51,7 +53,7 @@ def test_concurrent_writers_and_readers(spec):
     def work(k):
         try:
             for i in range(40):
-                store.put({"id": f"{k}-{i}"}, "[]", {})
+                store.put({"id": f"{k}-{i}"}, "[]", {}, [])
                 assert store.get(f"{k}-{i}").response == {"id": f"{k}-{i}"}
         except Exception as exc:  # reported below; a thread's assert would be lost
             errors.append(exc)
@@ -69,7 +71,7 @@ def test_concurrent_writers_and_readers(spec):
 def test_two_stores_on_one_database_see_each_other(spec):
     """What replicas rely on: a write through one is read through the other at once."""
     a, b = open_store(spec), open_store(spec)
-    a.put({"id": "r"}, "[]", {"c": "f"})
+    a.put({"id": "r"}, "[]", {"c": "f"}, [])
     assert b.get("r").calls == {"c": "f"}
     assert b.delete("r") and a.get("r") is None
     a.close()
@@ -79,7 +81,7 @@ def test_two_stores_on_one_database_see_each_other(spec):
 def test_default_path_is_under_the_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("GPTOSS_MAX_DATA", str(tmp_path))
     assert default_path() == tmp_path / "responses.sqlite3"
-    open_store().put({"id": "r"}, "{}", {})
+    open_store().put({"id": "r"}, "{}", {}, [])
     assert (tmp_path / "responses.sqlite3").exists()
 
 
@@ -102,7 +104,10 @@ def test_sqlite_store_from_before_versions_is_upgraded(tmp_path):
     db.close()
     store = SQLiteStore(path)
     assert store.schema_version() == SCHEMA_VERSION
-    assert store.get("old").response == {"id": "old"}
+    old = store.get("old")
+    assert old.response == {"id": "old"} and old.input_items == []  # version 2's column, empty for old rows
+    store.put({"id": "new"}, "[]", {}, [{"type": "message", "id": "msg_1"}])
+    assert store.get("new").input_items == [{"type": "message", "id": "msg_1"}]
 
 
 def test_sqlite_store_from_a_newer_version_is_refused(tmp_path):
@@ -121,6 +126,23 @@ def test_postgres_store_from_a_newer_version_is_refused(pg_url):  # noqa: F811
         conn.execute("UPDATE gptoss_schema SET version = %s", (SCHEMA_VERSION + 1,))
     with pytest.raises(SchemaTooNew):
         PostgresStore(pg_url)
+
+
+def test_postgres_store_at_version_1_is_upgraded(pg_url):  # noqa: F811
+    """A database a version-1 gptoss-max wrote: its rows are kept, with no input items."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE gptoss_schema (version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO gptoss_schema VALUES (1)")
+        conn.execute("CREATE TABLE gptoss_responses (id TEXT PRIMARY KEY, created_at DOUBLE PRECISION NOT NULL, "
+                     "response TEXT NOT NULL, history TEXT NOT NULL, calls TEXT NOT NULL)")  # fmt: skip
+        conn.execute("INSERT INTO gptoss_responses VALUES ('old', 1.0, '{\"id\": \"old\"}', '[]', '{}')")
+    store = PostgresStore(pg_url)
+    assert store.schema_version() == SCHEMA_VERSION == 2
+    old = store.get("old")
+    assert old.response == {"id": "old"} and old.input_items == []
+    store.put({"id": "new"}, "[]", {}, [{"type": "message", "id": "msg_1"}])
+    assert store.get("new").input_items == [{"type": "message", "id": "msg_1"}]
+    store.close()
 
 
 def test_postgres_replicas_starting_together_migrate_once(pg_url):  # noqa: F811
@@ -146,7 +168,7 @@ def test_postgres_replicas_starting_together_migrate_once(pg_url):  # noqa: F811
 
 def test_postgres_store_survives_a_dropped_connection(pg_url):  # noqa: F811
     store = PostgresStore(pg_url, pool_size=1)
-    store.put({"id": "a"}, "[]", {})
+    store.put({"id": "a"}, "[]", {}, [])
     with psycopg.connect(pg_url, autocommit=True) as admin:  # what a database restart does to it
         admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")  # fmt: skip

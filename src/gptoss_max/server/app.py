@@ -89,6 +89,16 @@ def build_router(state: ServerState) -> APIRouter:
     async def get_response(response_id: str) -> dict:
         return await responses.retrieve(response_id, state)
 
+    @api.get("/v1/responses/{response_id}/input_items", responses=_errors(400, 404))
+    async def list_input_items(
+        response_id: str,
+        limit: int = 20,
+        order: str = "desc",
+        after: str | None = None,
+        before: str | None = None,
+    ) -> dict:  # `include`, if sent, is ignored like any other query parameter: nothing more to include
+        return await responses.input_items(response_id, state, limit, order, after, before)
+
     @api.delete("/v1/responses/{response_id}", responses=_errors(404))
     async def delete_response(response_id: str) -> dict:
         return await responses.delete(response_id, state)

@@ -34,12 +34,31 @@ class Turn:
     calls: dict[str, str]
     prompt: Prompt
     params: GenParams
+    input_items: list[dict]  # what `GET /v1/responses/{id}/input_items` lists, oldest first
 
 
 def _input_items(req: ResponsesRequest) -> list[dict]:
     if isinstance(req.input, str):
         return [{"type": "message", "role": "user", "content": req.input}]
     return [item.model_dump(exclude_none=True, by_alias=True) for item in req.input]
+
+
+_ITEM_ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
+
+
+def listed_item(item: dict) -> dict:
+    """An input item as the input-items list returns it: an id (the client's, else a new one), a
+    status, and a message's text as parts (`input_text`, or `output_text` for the assistant)."""
+    kind = item.get("type", "message")
+    out = {"type": kind, "id": item.get("id") or new_id(_ITEM_ID_PREFIX[kind])}
+    out.update({k: v for k, v in item.items() if k not in ("type", "id", "status")})
+    if kind == "message":
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        texts = hm.content_texts(item["content"])
+        out["content"] = [{"type": part, "text": t, **({"annotations": []} if part == "output_text" else {})}
+                          for t in texts]  # fmt: skip
+    out["status"] = item.get("status") or "completed"
+    return out
 
 
 def _spec(req: ResponsesRequest) -> TurnSpec:
@@ -65,12 +84,14 @@ def plan_turn(state: ServerState, req: ResponsesRequest, stored: StoredResponse 
         history += hm.from_response_items(_input_items(req), calls)
     except hm.HistoryError as exc:
         raise bad_request(str(exc), exc.param) from None
+    earlier = stored.input_items + stored.response.get("output", []) if stored else []
+    input_items = earlier + [listed_item(item) for item in _input_items(req)]
     spec = _spec(req)
     prompt = render_prompt(spec, history)
     budget = state.token_budget(len(prompt.ids), req.max_output_tokens, "input")
     constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
     params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, grammar=constraint)
-    return Turn(spec, history, calls, prompt, params)
+    return Turn(spec, history, calls, prompt, params, input_items)
 
 
 def response_object(state: ServerState, req: ResponsesRequest, turn: Turn) -> dict:
@@ -156,7 +177,7 @@ class ResponseRun:
             history = hm.to_json(self.turn.history + gen.harmony.messages)
             calls = self.turn.calls | self.events.function_calls()
             try:
-                await asyncio.to_thread(self.state.store.put, resp, history, calls)
+                await asyncio.to_thread(self.state.store.put, resp, history, calls, self.turn.input_items)
             except Exception:  # the answer still goes out; only its continuation is lost
                 logger.exception("could not store response %s", resp["id"])
 
@@ -182,6 +203,39 @@ async def retrieve(response_id: str, state: ServerState) -> dict:
     if stored is None:
         raise not_found(f"Response with id {response_id!r} not found.")
     return stored.response
+
+
+async def input_items(
+    response_id: str, state: ServerState, limit: int, order: str, after: str | None, before: str | None
+) -> dict:
+    """`GET /v1/responses/{id}/input_items`: the items the response was generated from, earlier
+    turns' inputs and outputs included, a page at a time (OpenAI's cursor list: `order` desc by
+    default, newest first; `after` / `before` are item ids of the list in that order)."""
+    if not 1 <= limit <= 100:
+        raise bad_request(f"Invalid value for 'limit': {limit}; it must be 1 to 100.", "limit", "invalid_value")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"Invalid value for 'order': {order!r}; expected 'asc' or 'desc'.", "order", "invalid_value")
+    stored = await asyncio.to_thread(state.store.get, response_id)
+    if stored is None:
+        raise not_found(f"Response with id {response_id!r} not found.")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    ids = [item["id"] for item in items]
+    start, end = 0, len(items)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise bad_request(f"No input item with id {cursor!r} in this response.", name, "invalid_value")
+    if after is not None:
+        start = ids.index(after) + 1
+    if before is not None:
+        end = ids.index(before)
+    page = items[start:end][:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + len(page) < end,
+    }
 
 
 async def delete(response_id: str, state: ServerState) -> dict:

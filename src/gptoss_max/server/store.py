@@ -2,7 +2,9 @@
 
 `history` is the Harmony conversation up to and including the response's own output
 (JSON from `harmony.messages.to_json`), so `previous_response_id` continues it exactly;
-`calls` maps every function call_id in it to the function's name.
+`calls` maps every function call_id in it to the function's name. `input_items` are the
+Responses items the response was generated from (earlier turns' inputs and outputs included,
+each with an id), for `GET /v1/responses/{id}/input_items`.
 
 Two backends behind one interface: SQLite (the default, one server) and PostgreSQL
 (`store_pg.py`, shared by replicas behind a load balancer). Both keep the same versioned
@@ -18,7 +20,7 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptoss_max import settings
@@ -36,6 +38,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             calls TEXT NOT NULL
         )""",
     ),
+    ("ALTER TABLE responses ADD COLUMN input_items TEXT NOT NULL DEFAULT '[]'",),  # 2: the input items
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -56,6 +59,7 @@ class StoredResponse:
     response: dict
     history: str
     calls: dict[str, str]
+    input_items: list[dict] = field(default_factory=list)  # [] for rows stored before version 2
 
 
 class ResponseStore(ABC):
@@ -64,7 +68,7 @@ class ResponseStore(ABC):
     location: str  # where it is, for logs (never a password)
 
     @abstractmethod
-    def put(self, response: dict, history: str, calls: dict[str, str]) -> None:
+    def put(self, response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> None:
         """Store (or replace) `response` under its id."""
 
     @abstractmethod
@@ -81,14 +85,19 @@ class ResponseStore(ABC):
         pass
 
 
-def as_row(response: dict, history: str, calls: dict[str, str]) -> tuple:
-    return (response["id"], time.time(), json.dumps(response), history, json.dumps(calls))
+# The columns `as_row` fills, in order, and those `from_row` reads.
+ROW_COLUMNS = "id, created_at, response, history, calls, input_items"
+READ_COLUMNS = "response, history, calls, input_items"
+
+
+def as_row(response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> tuple:
+    return (response["id"], time.time(), json.dumps(response), history, json.dumps(calls), json.dumps(input_items))
 
 
 def from_row(row: tuple | None) -> StoredResponse | None:
     if row is None:
         return None
-    return StoredResponse(json.loads(row[0]), row[1], json.loads(row[2]))
+    return StoredResponse(json.loads(row[0]), row[1], json.loads(row[2]), json.loads(row[3]))
 
 
 def default_path() -> Path:
@@ -134,17 +143,14 @@ class SQLiteStore(ResponseStore):
         with self._lock:
             return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
-    def put(self, response: dict, history: str, calls: dict[str, str]) -> None:
+    def put(self, response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> None:
+        row = as_row(response, history, calls, input_items)
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)", as_row(response, history, calls)
-            )
+            self._db.execute(f"INSERT OR REPLACE INTO responses ({ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", row)
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT response, history, calls FROM responses WHERE id = ?", (response_id,)
-            ).fetchone()
+            row = self._db.execute(f"SELECT {READ_COLUMNS} FROM responses WHERE id = ?", (response_id,)).fetchone()
         return from_row(row)
 
     def delete(self, response_id: str) -> bool:

@@ -17,7 +17,16 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from gptoss_max.server.store import SCHEMA_VERSION, ResponseStore, SchemaTooNew, StoredResponse, as_row, from_row
+from gptoss_max.server.store import (
+    READ_COLUMNS,
+    ROW_COLUMNS,
+    SCHEMA_VERSION,
+    ResponseStore,
+    SchemaTooNew,
+    StoredResponse,
+    as_row,
+    from_row,
+)
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (
@@ -29,6 +38,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             calls TEXT NOT NULL
         )""",
     ),
+    ("ALTER TABLE gptoss_responses ADD COLUMN IF NOT EXISTS input_items TEXT NOT NULL DEFAULT '[]'",),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION, "both backends share version numbers"
 
@@ -106,18 +116,18 @@ class PostgresStore(ResponseStore):
         row = self._run(lambda c: c.execute("SELECT version FROM gptoss_schema").fetchone())
         return int(row[0]) if row else 0
 
-    def put(self, response: dict, history: str, calls: dict[str, str]) -> None:
+    def put(self, response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> None:
         sql = (
-            "INSERT INTO gptoss_responses (id, created_at, response, history, calls) "
-            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+            f"INSERT INTO gptoss_responses ({ROW_COLUMNS}) "
+            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
             "created_at = EXCLUDED.created_at, response = EXCLUDED.response, "
-            "history = EXCLUDED.history, calls = EXCLUDED.calls"
+            "history = EXCLUDED.history, calls = EXCLUDED.calls, input_items = EXCLUDED.input_items"
         )
-        row = as_row(response, history, calls)
+        row = as_row(response, history, calls, input_items)
         self._run(lambda c: c.execute(sql, row))
 
     def get(self, response_id: str) -> StoredResponse | None:
-        sql = "SELECT response, history, calls FROM gptoss_responses WHERE id = %s"
+        sql = f"SELECT {READ_COLUMNS} FROM gptoss_responses WHERE id = %s"
         row: Any = self._run(lambda c: c.execute(sql, (response_id,)).fetchone())
         return from_row(row)
 
