@@ -211,6 +211,16 @@ def test_fuzzed_bodies_never_500(shared):
     assert http.get("/health").status_code == 200
 
 
+def test_one_model_retrieved_by_its_id_slash_and_all(server):
+    engine, base, client = server(model_name="openai/gpt-oss-20b")
+    got = client.models.retrieve("openai/gpt-oss-20b")
+    assert got.id == "openai/gpt-oss-20b" and got.object == "model" and got.owned_by == "gptoss-max"
+    assert got.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "not_found"
+
+
 def test_health_models_metrics_and_bench_switch(server):
     engine, base, client = server()
     assert httpx.get(f"{base}/health").json()["status"] == "ok"

@@ -108,16 +108,25 @@ def build_router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         return await chat.create(request, state)
 
-    @api.get("/v1/models", responses=_errors())
-    async def models() -> dict:
-        model = {
+    def model_object() -> dict:
+        return {
             "id": state.engine.model_name,
             "object": "model",
             "created": STARTED,
             "owned_by": "gptoss-max",
             "max_model_len": state.engine.max_context,
         }
-        return {"object": "list", "data": [model]}
+
+    @api.get("/v1/models", responses=_errors())
+    async def models() -> dict:
+        return {"object": "list", "data": [model_object()]}
+
+    @api.get("/v1/models/{model_id:path}", responses=_errors(404))
+    async def model(model_id: str) -> dict:  # ids like openai/gpt-oss-20b hold a slash
+        if model_id != state.engine.model_name:
+            raise not_found(f"The model {model_id!r} does not exist; this server serves "
+                            f"{state.engine.model_name!r}.", "model")  # fmt: skip
+        return model_object()
 
     @api.get("/bench", responses=_errors(400, 404))
     async def bench(n: int = 8, max_new_tokens: int = 64) -> dict:
