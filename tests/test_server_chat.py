@@ -140,10 +140,11 @@ def test_client_defaults_pass_but_real_penalties_are_refused(make):
     ok = dict(frequency_penalty=0, presence_penalty=0, logprobs=False, n=1, stop=[])
     msgs = [{"role": "user", "content": "Hi"}]
     assert client.chat.completions.create(model=engine.model_name, messages=msgs, **ok).choices
-    for bad in ({"frequency_penalty": 0.5}, {"logprobs": True}, {"stop": ["x"]}, {"n": 2}):
+    bad_stops = ({"stop": [""]}, {"stop": ["a", "b", "c", "d", "e"]})  # empty, and more than OpenAI's 4
+    for bad in ({"frequency_penalty": 0.5}, {"logprobs": True}, {"n": 2}, *bad_stops):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=engine.model_name, messages=msgs, **bad)
-        assert err.value.body["param"] == next(iter(bad))
+        assert err.value.body["param"].startswith(next(iter(bad)))  # e.g. stop[0]
 
 
 def test_preamble_and_final_are_separated(make):
@@ -159,3 +160,39 @@ def test_preamble_and_final_are_separated(make):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == (
         "Let me think.\n\nDone."
     )
+
+
+STOP_SCRIPT = (
+    "<|channel|>analysis<|message|>Plan: say it, then Observation: none.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Thought: look it up.\nObservation: it rains.<|return|>"
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_stop_sequences_end_the_content(tmp_path, stream, chunk_size):
+    """`stop` cuts the content before the first stop sequence (never the reasoning), ends as
+    finish_reason "stop", and cancels the rest of the generation; a stream never shows text a
+    stop takes back, however the sequence falls across chunks."""
+    engine = ScriptedEngine([STOP_SCRIPT], chunk_size=chunk_size)
+    with serving(build_app(engine, tmp_path / "r.sqlite3")) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Rain?"}]
+        for stop, want in ((["Observation:", "zzz"], "Thought: look it up.\n"), ("up", "Thought: look it "),
+                           (["never"], "Thought: look it up.\nObservation: it rains.")):  # fmt: skip
+            before = engine.cancelled
+            out = client.chat.completions.create(model=engine.model_name, messages=msgs, stop=stop, stream=stream)
+            if stream:
+                content, reasoning, finish = "", "", None
+                for chunk in out:
+                    for choice in chunk.choices:
+                        content += choice.delta.content or ""
+                        reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                        finish = choice.finish_reason or finish
+            else:
+                message, finish = out.choices[0].message, out.choices[0].finish_reason
+                content, reasoning = message.content, message.model_extra["reasoning_content"]
+            assert content == want and finish == "stop", (stop, content)
+            assert reasoning == "Plan: say it, then Observation: none."  # stops do not apply there
+            cut_short = stop != ["never"]
+            assert engine.cancelled == before + cut_short, "a stop cancels what was left to generate"

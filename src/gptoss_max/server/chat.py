@@ -54,36 +54,69 @@ class ChatRun:
         self.content: list[str] = []
         self.tool_calls: list[dict] = []
         self._kind: str | None = None
+        # `stop`: content ends before the first of these; content that could still begin one is
+        # held back (`_held`) until it cannot, so no stream shows text a stop later takes back.
+        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.stopped = False
+        self._held = ""
 
     def on(self, event: ParseEvent) -> dict | None:
         """Take one event; return the streaming delta it makes, if any."""
+        if self.stopped:  # a stop sequence ended the completion: the rest is not shown
+            return None
         if isinstance(event, ItemStarted):
             self._kind = event.kind
-            if event.kind == "message" and self.content:  # a preamble, then more text
-                self.content.append("\n\n")
-                return {"content": "\n\n"}
+            if event.kind == "message":
+                return self._content("\n\n") if self.content or self._held else None  # a preamble, then more
+            tail = self.flush() or {}  # text held for a stop sequence goes out before what follows it
             if event.kind != "function_call":
-                return None
+                return tail or None
             call = {
                 "id": new_id("call"),
                 "type": "function",
                 "function": {"name": event.name, "arguments": ""},
             }
             self.tool_calls.append(call)
-            return {"tool_calls": [{"index": len(self.tool_calls) - 1, **copy.deepcopy(call)}]}
+            return {**tail, "tool_calls": [{"index": len(self.tool_calls) - 1, **copy.deepcopy(call)}]}
         if not isinstance(event, TextDelta):
             return None
         if self._kind == "reasoning":
             self.reasoning.append(event.text)
             return {"reasoning_content": event.text}
         if self._kind == "message":
-            self.content.append(event.text)
-            return {"content": event.text}
+            return self._content(event.text)
         self.tool_calls[-1]["function"]["arguments"] += event.text
         index = len(self.tool_calls) - 1
         return {"tool_calls": [{"index": index, "function": {"arguments": event.text}}]}
 
+    def _content(self, text: str) -> dict | None:
+        if not self.stops:
+            self.content.append(text)
+            return {"content": text}
+        buf = self._held + text
+        found = [i for i in (buf.find(stop) for stop in self.stops) if i >= 0]
+        if found:
+            shown, self._held, self.stopped = buf[: min(found)], "", True
+            self.gen.stop_early()
+        else:
+            split = max(len(buf) - (max(map(len, self.stops)) - 1), 0)
+            shown, self._held = buf[:split], buf[split:]
+        if not shown:
+            return None
+        self.content.append(shown)
+        return {"content": shown}
+
+    def flush(self) -> dict | None:
+        """The content held back for a stop sequence that did not come, at the end."""
+        held, self._held = self._held, ""
+        if not held:
+            return None
+        self.content.append(held)
+        return {"content": held}
+
     def finish_reason(self) -> str:
+        if self.stopped:
+            return "stop"
         if self.gen.status == "incomplete":
             return "length"
         return "tool_calls" if self.tool_calls else "stop"
@@ -118,6 +151,9 @@ class ChatRun:
             delta = self.on(event)
             if delta:
                 yield self._chunk([self._choice(delta)])
+        tail = self.flush()
+        if tail and not self.gen.failure:
+            yield self._chunk([self._choice(tail)])
         self.gen.record_metrics("chat")
         if self.gen.failure:
             err = {
@@ -136,6 +172,7 @@ class ChatRun:
     async def complete(self) -> dict:
         async for event in self.gen.events():
             self.on(event)
+        self.flush()
         self.gen.record_metrics("chat")
         if self.gen.aborted:
             raise shutting_down()

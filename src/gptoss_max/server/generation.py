@@ -45,6 +45,7 @@ class Generation:
         self.stop_token: int | None = None
         self.failure: str | None = None
         self.aborted: str | None = None  # why the server stopped it, if it did
+        self.stopped_early = False  # ended by its consumer (a chat stop sequence): completed
         self._chunks = aiter(engine.generate(prompt.ids, params))
         self._first: list[int] | None = None
         self._pending: asyncio.Future | None = None
@@ -71,8 +72,8 @@ class Generation:
             raise shutting_down()
 
     async def _pull(self) -> list[int] | None:
-        """The engine's next chunk; None at its end or once aborted."""
-        if self.aborted:
+        """The engine's next chunk; None at its end or once aborted or stopped early."""
+        if self.aborted or self.stopped_early:
             return None
         pending = self._pending = asyncio.ensure_future(anext(self._chunks, None))
         try:
@@ -95,11 +96,21 @@ class Generation:
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()
 
+    def stop_early(self) -> None:
+        """End generating now as completed: what the consumer wanted has come (a stop sequence).
+        Events already parsed from the current chunk still arrive; no more chunks are taken, and
+        the engine is told to cancel the request when the events end."""
+        if self.aborted or self._ended:
+            return
+        self.stopped_early = True
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+
     @property
     def status(self) -> str:
         if self.failure:
             return "failed"
-        return "completed" if self.stop_token is not None else "incomplete"
+        return "completed" if self.stop_token is not None or self.stopped_early else "incomplete"
 
     async def events(self) -> AsyncIterator[ParseEvent]:
         ended = False
@@ -109,7 +120,7 @@ class Generation:
                 events, done = self._take(chunk)
                 for event in events:
                     yield event
-                if done:
+                if done or self.stopped_early:
                     break
                 chunk = await self._next_chunk()
             ended = True
@@ -118,7 +129,8 @@ class Generation:
             if not ended:
                 metrics.CANCELLED.inc()
             await self.close()
-        for event in self.harmony.finish(truncated=self.status == "incomplete" or self.aborted is not None):
+        cut = self.status == "incomplete" or self.aborted is not None or self.stopped_early
+        for event in self.harmony.finish(truncated=cut):
             yield event
 
     def _take(self, chunk: list[int]) -> tuple[list[ParseEvent], bool]:

@@ -15,6 +15,9 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# A chat completion's stop sequence (up to 4 of them, as OpenAI takes).
+StopSequence = Annotated[str, StringConstraints(min_length=1)]
+
 # OpenAI's limits on `metadata`: up to 16 pairs, keys up to 64 characters, values up to 512.
 Metadata = Annotated[
     dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
@@ -224,7 +227,7 @@ class ChatRequest(Strict):
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     logprobs: Literal[False] | None = None
-    stop: Annotated[list[str], Field(max_length=0)] | None = None
+    stop: StopSequence | Annotated[list[StopSequence], Field(max_length=4)] | None = None  # on `content` only
 
 
 _TAGS = ("message", "reasoning", "function_call", "function_call_output")
