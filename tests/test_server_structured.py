@@ -153,3 +153,27 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_that_says_why(served):
             response_format={"type": "json_schema", "json_schema": chat_fmt("n", schema)},
         )
     assert err.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_the_sdks_parse_helpers_get_their_pydantic_types_back(served):
+    """`responses.parse(text_format=...)` and `chat.completions.parse(response_format=...)` send
+    the SDK's strict schema of a pydantic model and validate the answer into it."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Step(BaseModel):  # no unbounded number: noise under a grammar writes 400-digit integers
+        explanation: str
+        done: bool
+
+    class Plan(BaseModel):
+        step: Step
+        verdict: Literal["yes", "no"]
+
+    engine, client, _ = served
+    resp = client.responses.parse(model=engine.model_name, input="Plan it", text_format=Plan, max_output_tokens=1500)
+    assert resp.status == "completed" and isinstance(resp.output_parsed, Plan)
+    assert resp.output_parsed.verdict in ("yes", "no")
+    chat = client.chat.completions.parse(model=engine.model_name, messages=[{"role": "user", "content": "Plan it"}],
+                                         response_format=Plan, max_tokens=1500)  # fmt: skip
+    assert chat.choices[0].finish_reason == "stop" and isinstance(chat.choices[0].message.parsed, Plan)
