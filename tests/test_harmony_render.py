@@ -9,6 +9,7 @@ from gptoss_max.harmony.render import (
     ResponseFormat,
     TurnSpec,
     render_prompt,
+    render_prompt_within,
 )
 from gptoss_max.tokenizer import harmony_encoding
 
@@ -180,3 +181,31 @@ def test_history_json_round_trip():
     msgs = [hm.user("a"), hm.function_call("f", "{}"), hm.function_output("f", "ok")]
     again = hm.from_json(hm.to_json(msgs))
     assert [m.to_dict() for m in again] == [m.to_dict() for m in msgs]
+
+
+def test_truncation_drops_the_oldest_whole_turns_and_keeps_instructions():
+    spec = TurnSpec(date="2026-01-02")
+    history = [
+        hm.developer_text("Answer in French."),
+        hm.user("one " * 50),
+        hm.assistant("un"),
+        hm.user("two " * 50),
+        hm.function_call("get_weather", '{"city": "Paris"}'),
+        hm.function_output("get_weather", "20C"),
+        hm.assistant("deux"),
+        hm.user("three"),
+    ]
+    full = render_prompt(spec, history)
+    prompt, dropped = render_prompt_within(spec, history, len(full.ids))
+    assert (prompt.ids, dropped) == (full.ids, 0), "what fits is not touched"
+    prompt, dropped = render_prompt_within(spec, history, len(full.ids) - 1)
+    text = text_of(prompt)
+    assert dropped == 2 and "one" not in text and "two two" in text and "Answer in French." in text
+    assert prompt.ids == render_prompt(spec, [history[0], *history[3:]]).ids
+    # the call and its output go with their turn, never one without the other
+    prompt, dropped = render_prompt_within(spec, history, len(prompt.ids) - 1)
+    text = text_of(prompt)
+    assert dropped == 6 and "two" not in text and "20C" not in text and text.endswith("three<|end|><|start|>assistant")
+    # the last turn always stays, even when it alone is too long
+    prompt, dropped = render_prompt_within(spec, history, 1)
+    assert dropped == 6 and "three" in text_of(prompt)

@@ -162,6 +162,28 @@ def test_input_items_list_the_whole_conversation_a_page_at_a_time(make):
         client.responses.input_items.list("resp_nope")
 
 
+def test_truncation_auto_drops_the_oldest_turns_when_the_context_is_full(make):
+    engine, client, _ = make([FINAL], max_context=400)
+    first = client.responses.create(model=engine.model_name, input="alpha " * 120, max_output_tokens=16)
+    assert first.truncation == "disabled"
+    follow = {"model": engine.model_name, "previous_response_id": first.id, "input": "beta " * 200}
+    with pytest.raises(openai.BadRequestError) as err:  # by default a full context is a 400, as at OpenAI
+        client.responses.create(**follow)
+    assert err.value.body["code"] == "context_length_exceeded"
+    second = client.responses.create(**follow, truncation="auto")
+    assert second.status == "completed" and second.truncation == "auto"
+    prompt = decode(engine.prompts[-1])
+    assert "alpha" not in prompt and "Hello there!" not in prompt and prompt.count("beta") == 200
+    assert len(engine.prompts[-1]) < 400
+    # the stored conversation keeps every turn: the input items still list the first one
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [c.text for c in items[0].content] == ["alpha " * 120]
+    # a last turn too long by itself is still a 400
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=engine.model_name, input="gamma " * 500, truncation="auto")
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
 def test_stateless_round_trip_renders_the_same_prompt(make):
     engine, client, _ = make([TOOL_CALL, AFTER_TOOL, TOOL_CALL, AFTER_TOOL])
     first = client.responses.create(model=engine.model_name, input="Weather?", tools=[WEATHER_TOOL])

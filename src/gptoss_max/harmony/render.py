@@ -121,14 +121,18 @@ def _format_section(fmt: ResponseFormat) -> str:
     return ""
 
 
-def _split_leading_instructions(history: list[Message]) -> tuple[list[str], list[Message]]:
-    """System/developer text before the first other message joins the developer message."""
-    extra: list[str] = []
+def _leading_instructions(history: list[Message]) -> tuple[list[Message], list[Message]]:
+    """The system/developer messages before the first other message, and the rest."""
     for i, msg in enumerate(history):
         if msg.author.role not in (Role.SYSTEM, Role.DEVELOPER):
-            return extra, history[i:]
-        extra.extend(c.text for c in msg.content if isinstance(c, TextContent))
-    return extra, []
+            return history[:i], history[i:]
+    return history, []
+
+
+def _split_leading_instructions(history: list[Message]) -> tuple[list[str], list[Message]]:
+    """System/developer text before the first other message joins the developer message."""
+    lead, rest = _leading_instructions(history)
+    return [c.text for msg in lead for c in msg.content if isinstance(c, TextContent)], rest
 
 
 def render_prompt(spec: TurnSpec, history: list[Message]) -> Prompt:
@@ -141,6 +145,20 @@ def render_prompt(spec: TurnSpec, history: list[Message]) -> Prompt:
     conv = Conversation.from_messages(header + drop_finished_reasoning(rest))
     enc = harmony_encoding()
     return Prompt(ids=enc.render_conversation_for_completion(conv, Role.ASSISTANT, _NO_RENDER_DROP))
+
+
+def render_prompt_within(spec: TurnSpec, history: list[Message], max_tokens: int) -> tuple[Prompt, int]:
+    """`render_prompt`, with the oldest turns dropped until the prompt is at most `max_tokens`
+    (the Responses API's `truncation: "auto"`). A turn is a user message and all that follows it
+    up to the next; instructions leading the history stay, and so does the last turn, even if the
+    prompt is then still too long. Returns the prompt and how many messages were dropped."""
+    lead, rest = _leading_instructions(history)
+    cuts = [0] + [j for j, m in enumerate(rest) if j > 0 and m.author.role == Role.USER]
+    for cut in cuts:
+        prompt = render_prompt(spec, lead + rest[cut:])
+        if len(prompt.ids) <= max_tokens or cut == cuts[-1]:
+            return prompt, cut
+    raise AssertionError("unreachable: the last cut always returns")
 
 
 def encode_text(text: str) -> list[int]:

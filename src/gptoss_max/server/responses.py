@@ -13,7 +13,7 @@ from openai_harmony import Message
 
 from gptoss_max.harmony import messages as hm
 from gptoss_max.harmony.events import ResponseEvents, new_id, sse
-from gptoss_max.harmony.render import Prompt, TurnSpec, render_prompt
+from gptoss_max.harmony.render import Prompt, TurnSpec, render_prompt, render_prompt_within
 from gptoss_max.server import grammar, tools
 from gptoss_max.server.engine import GenParams
 from gptoss_max.server.errors import bad_request, not_found, read_json_object
@@ -87,7 +87,10 @@ def plan_turn(state: ServerState, req: ResponsesRequest, stored: StoredResponse 
     earlier = stored.input_items + stored.response.get("output", []) if stored else []
     input_items = earlier + [listed_item(item) for item in _input_items(req)]
     spec = _spec(req)
-    prompt = render_prompt(spec, history)
+    if req.truncation == "auto":  # the oldest turns go until the input leaves room for one token
+        prompt, _dropped = render_prompt_within(spec, history, state.engine.max_context - 1)
+    else:
+        prompt = render_prompt(spec, history)
     budget = state.token_budget(len(prompt.ids), req.max_output_tokens, "input")
     constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
     params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, grammar=constraint)
@@ -121,7 +124,7 @@ def response_object(state: ServerState, req: ResponsesRequest, turn: Turn) -> di
         "tool_choice": req.model_dump(include={"tool_choice"})["tool_choice"],
         "tools": [t.model_dump(exclude_none=True) for t in req.tools],
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
         "usage": None,
         "user": req.user,
         "metadata": req.metadata or {},

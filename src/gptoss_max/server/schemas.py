@@ -137,11 +137,11 @@ class ResponsesRequest(Strict):
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns go when the input is too long
     # Accepted without effect: identifiers and hints that change nothing here.
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
     include: list[Literal["reasoning.encrypted_content"]] | None = None
 
