@@ -184,6 +184,31 @@ def test_truncation_auto_drops_the_oldest_turns_when_the_context_is_full(make):
     assert err.value.body["code"] == "context_length_exceeded"
 
 
+def test_input_tokens_count_the_prompt_create_would_send(make):
+    engine, client, _ = make([TOOL_CALL, FINAL], max_context=400)
+    count = client.responses.input_tokens.count(model=engine.model_name, input="Weather?", tools=[WEATHER_TOOL],
+                                                instructions="Be brief.")  # fmt: skip
+    assert count.object == "response.input_tokens"
+    first = client.responses.create(model=engine.model_name, input="Weather?", tools=[WEATHER_TOOL],
+                                    instructions="Be brief.")  # fmt: skip
+    assert count.input_tokens == len(engine.prompts[0]) == first.usage.input_tokens
+    # with a stored conversation, model and input left out (tools and instructions are per request)
+    again = client.responses.input_tokens.count(previous_response_id=first.id, tools=[WEATHER_TOOL],
+                                                instructions="Be brief.")  # fmt: skip
+    assert again.input_tokens > count.input_tokens  # the first turn's call is in it now
+    # too long for the context: counted all the same; with truncation "auto", as create would cut it
+    follow = {"input": "beta " * 250, "tools": [WEATHER_TOOL]}
+    full = client.responses.input_tokens.count(**follow, previous_response_id=first.id).input_tokens
+    cut = client.responses.input_tokens.count(**follow, previous_response_id=first.id, truncation="auto")
+    alone = client.responses.input_tokens.count(**follow).input_tokens  # the new turn by itself
+    assert full > 400 - 1 >= cut.input_tokens == alone, (full, cut, alone)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_tokens.count(model="gpt-5", input="x")
+    assert len(engine.prompts) == 1, "counting never reaches the engine"
+
+
 def test_stateless_round_trip_renders_the_same_prompt(make):
     engine, client, _ = make([TOOL_CALL, AFTER_TOOL, TOOL_CALL, AFTER_TOOL])
     first = client.responses.create(model=engine.model_name, input="Weather?", tools=[WEATHER_TOOL])

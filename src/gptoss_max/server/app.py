@@ -85,6 +85,11 @@ def build_router(state: ServerState) -> APIRouter:
     async def create_response(request: Request) -> Response:
         return await responses.create(request, state)
 
+    @api.post("/v1/responses/input_tokens", responses=_errors(400, 404, 413),
+              openapi_extra=_json_body(ResponsesRequest))
+    async def count_input_tokens(request: Request) -> dict:
+        return await responses.count_input_tokens(request, state)
+
     @api.get("/v1/responses/{response_id}", responses=_errors(404))
     async def get_response(response_id: str) -> dict:
         return await responses.retrieve(response_id, state)

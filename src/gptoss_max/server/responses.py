@@ -77,24 +77,47 @@ def _spec(req: ResponsesRequest) -> TurnSpec:
     )
 
 
-def plan_turn(state: ServerState, req: ResponsesRequest, stored: StoredResponse | None) -> Turn:
+def _prompt(
+    state: ServerState, req: ResponsesRequest, stored: StoredResponse | None
+) -> tuple[TurnSpec, list[Message], dict[str, str], Prompt]:
+    """The turn's settings, the conversation (stored plus this request's input), its function
+    calls, and the prompt it renders to, with `truncation: "auto"` dropping the oldest turns
+    until the input leaves room for one token."""
     calls = dict(stored.calls) if stored else {}
     history = hm.from_json(stored.history) if stored else []
     try:
         history += hm.from_response_items(_input_items(req), calls)
     except hm.HistoryError as exc:
         raise bad_request(str(exc), exc.param) from None
-    earlier = stored.input_items + stored.response.get("output", []) if stored else []
-    input_items = earlier + [listed_item(item) for item in _input_items(req)]
     spec = _spec(req)
-    if req.truncation == "auto":  # the oldest turns go until the input leaves room for one token
+    if req.truncation == "auto":
         prompt, _dropped = render_prompt_within(spec, history, state.engine.max_context - 1)
     else:
         prompt = render_prompt(spec, history)
+    return spec, history, calls, prompt
+
+
+def plan_turn(state: ServerState, req: ResponsesRequest, stored: StoredResponse | None) -> Turn:
+    spec, history, calls, prompt = _prompt(state, req, stored)
+    earlier = stored.input_items + stored.response.get("output", []) if stored else []
+    input_items = earlier + [listed_item(item) for item in _input_items(req)]
     budget = state.token_budget(len(prompt.ids), req.max_output_tokens, "input")
     constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
     params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, grammar=constraint)
     return Turn(spec, history, calls, prompt, params, input_items)
+
+
+async def _previous(state: ServerState, req: ResponsesRequest) -> StoredResponse | None:
+    """The stored response `previous_response_id` names (404 if none), or None without one."""
+    if not req.previous_response_id:
+        return None
+    stored = await asyncio.to_thread(state.store.get, req.previous_response_id)
+    if stored is None:
+        raise not_found(
+            f"Previous response with id {req.previous_response_id!r} not found.",
+            "previous_response_id",
+        )
+    return stored
 
 
 def response_object(state: ServerState, req: ResponsesRequest, turn: Turn) -> dict:
@@ -188,17 +211,20 @@ class ResponseRun:
 async def create(request: Request, state: ServerState) -> Response:
     req = parse_request(ResponsesRequest, await read_json_object(request))
     state.check_model(req.model)
-    stored = None
-    if req.previous_response_id:
-        stored = await asyncio.to_thread(state.store.get, req.previous_response_id)
-        if stored is None:
-            raise not_found(
-                f"Previous response with id {req.previous_response_id!r} not found.",
-                "previous_response_id",
-            )
-    turn = plan_turn(state, req, stored)
+    turn = plan_turn(state, req, await _previous(state, req))
     gen = Generation(state.engine, turn.prompt, turn.params, state.generations)
     return await reply(request, gen, lambda g: ResponseRun(state, req, turn, g), req.stream)
+
+
+async def count_input_tokens(request: Request, state: ServerState) -> dict:
+    """`POST /v1/responses/input_tokens` (the SDK's `responses.input_tokens.count`): the tokens
+    of the prompt a create request with this body would send the model. `model` and `input` may
+    be left out; the prompt is the same one create renders, truncation included."""
+    body = {"model": state.engine.model_name, "input": [], **await read_json_object(request)}
+    req = parse_request(ResponsesRequest, body)
+    state.check_model(req.model)
+    *_, prompt = _prompt(state, req, await _previous(state, req))
+    return {"object": "response.input_tokens", "input_tokens": len(prompt.ids)}
 
 
 async def retrieve(response_id: str, state: ServerState) -> dict:
