@@ -141,7 +141,8 @@ def test_client_defaults_pass_but_real_penalties_are_refused(make):
     msgs = [{"role": "user", "content": "Hi"}]
     assert client.chat.completions.create(model=engine.model_name, messages=msgs, **ok).choices
     bad_stops = ({"stop": [""]}, {"stop": ["a", "b", "c", "d", "e"]})  # empty, and more than OpenAI's 4
-    for bad in ({"frequency_penalty": 0.5}, {"logprobs": True}, {"n": 2}, *bad_stops):
+    odd_types = ({"n": True}, {"logprobs": 0}, {"store": 0})  # Literal[1] took true, Literal[False] 0
+    for bad in ({"frequency_penalty": 0.5}, {"logprobs": True}, {"n": 2}, *bad_stops, *odd_types):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=engine.model_name, messages=msgs, **bad)
         assert err.value.body["param"].startswith(next(iter(bad)))  # e.g. stop[0]

@@ -98,6 +98,7 @@ def test_malformed_json_and_non_objects(server):
         ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_value"),
         ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65, "invalid_value"),
         ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k", "invalid_value"),
+        ({"input": "hi", "background": 0}, "background", "invalid_value"),  # pydantic's Literal[False] took 0
     ],
 )
 def test_bad_requests_name_the_field(shared, body, param, code):

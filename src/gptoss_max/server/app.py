@@ -15,7 +15,7 @@ from gptoss_max.server.bench import run_bench
 from gptoss_max.server.engine import Engine
 from gptoss_max.server.errors import install_handlers, not_found
 from gptoss_max.server.guard import OPEN_PATHS, Guard
-from gptoss_max.server.schemas import ChatRequest, ResponsesRequest
+from gptoss_max.server.schemas import ChatRequest, InputTokensRequest, ResponsesRequest
 from gptoss_max.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 from gptoss_max.server.store import ResponseStore, open_store
 
@@ -43,7 +43,7 @@ class ErrorBody(BaseModel):
 
 
 _SCHEMA_PREFIX = "gptoss_"
-_BODIES: tuple[type[BaseModel], ...] = (ResponsesRequest, ChatRequest)
+_BODIES: tuple[type[BaseModel], ...] = (ResponsesRequest, InputTokensRequest, ChatRequest)
 
 
 def _errors(*codes: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
@@ -86,7 +86,7 @@ def build_router(state: ServerState) -> APIRouter:
         return await responses.create(request, state)
 
     @api.post("/v1/responses/input_tokens", responses=_errors(400, 404, 413),
-              openapi_extra=_json_body(ResponsesRequest))
+              openapi_extra=_json_body(InputTokensRequest))
     async def count_input_tokens(request: Request) -> dict:
         return await responses.count_input_tokens(request, state)
 

@@ -18,7 +18,7 @@ from gptoss_max.server import grammar, tools
 from gptoss_max.server.engine import GenParams
 from gptoss_max.server.errors import bad_request, not_found, read_json_object
 from gptoss_max.server.generation import Generation, reply
-from gptoss_max.server.schemas import NamedFunction, ResponsesRequest, parse_request
+from gptoss_max.server.schemas import InputTokensRequest, NamedFunction, ResponsesRequest, parse_request
 from gptoss_max.server.state import ServerState
 from gptoss_max.server.store import StoredResponse
 
@@ -220,9 +220,8 @@ async def count_input_tokens(request: Request, state: ServerState) -> dict:
     """`POST /v1/responses/input_tokens` (the SDK's `responses.input_tokens.count`): the tokens
     of the prompt a create request with this body would send the model. `model` and `input` may
     be left out; the prompt is the same one create renders, truncation included."""
-    body = {"model": state.engine.model_name, "input": [], **await read_json_object(request)}
-    req = parse_request(ResponsesRequest, body)
-    state.check_model(req.model)
+    req = parse_request(InputTokensRequest, await read_json_object(request))
+    state.check_model(req.model or state.engine.model_name)
     *_, prompt = _prompt(state, req, await _previous(state, req))
     return {"object": "response.input_tokens", "input_tokens": len(prompt.ids)}
 

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+)
 
 from gptoss_max.server.errors import APIError, bad_request
 
@@ -14,6 +27,19 @@ ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+
+def _is(value: object) -> AfterValidator:
+    def check(v: object) -> object:
+        if v != value:
+            raise ValueError(f"Input should be {json.dumps(value)}")
+        return v
+
+    return AfterValidator(check)
+
+
+# One accepted value, of its JSON type: pydantic's Literal[False] takes 0, and Literal[1] takes true.
+OnlyFalse = Annotated[StrictBool, _is(False), WithJsonSchema({"type": "boolean", "const": False})]
+OnlyOne = Annotated[StrictInt, _is(1), WithJsonSchema({"type": "integer", "const": 1})]
 
 # A chat completion's stop sequence (up to 4 of them, as OpenAI takes).
 StopSequence = Annotated[str, StringConstraints(min_length=1)]
@@ -142,8 +168,15 @@ class ResponsesRequest(Strict):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    background: Literal[False] | None = None
+    background: OnlyFalse | None = None
     include: list[Literal["reasoning.encrypted_content"]] | None = None
+
+
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a create request's body, with `model` and `input` optional."""
+
+    model: str | None = None  # type: ignore[assignment]  # optional here: the served model
+    input: str | list[InputItem] = []
 
 
 class ChatFunction(Strict):
@@ -217,16 +250,16 @@ class ChatRequest(Strict):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: int | None = None
-    n: Literal[1] = 1
+    n: OnlyOne = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     metadata: Metadata | None = None
     user: str | None = None
-    store: Literal[False] | None = None
+    store: OnlyFalse | None = None
     # Sent as defaults by many clients: accepted at their no-op values only.
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: OnlyFalse | None = None
     stop: StopSequence | Annotated[list[StopSequence], Field(max_length=4)] | None = None  # on `content` only
 
 
