@@ -42,7 +42,7 @@ for r in $(seq 1 "$runs"); do
   if [ "$left" -lt "$need" ]; then echo "run $r: ${left} s left, stopping"; break; fi
   gc_flag=${gc_modes[$(( (r - 1) % ${#gc_modes[@]} ))]}
   timeout "$left" python3 bench/e2e.py --model "$model" --batch 1 --stock off --graph-capture on \
-    --output-len "$output_len" --gc "$gc_flag" --out "$out/e2e_$r" > "$out/e2e_$r.log" 2>&1
+    --output-len "$output_len" --gc "$gc_flag" --keep-logs --out "$out/e2e_$r" > "$out/e2e_$r.log" 2>&1
   echo "run $r (--gc $gc_flag) rc=$? at $(( $(date +%s) - t0 )) s"
   python3 - "$out/e2e_$r" <<'PY'
 import glob, json, sys
