@@ -27,6 +27,8 @@
 // MODE 0: the matvec. MODE 1: the same loads, XOR-folded (no decode, no wgmma). MODE 2: decode,
 // wgmma and scaling on register data (no weight or scale loads).
 
+#include "probe_cuda.h"  // ld_na (under NVRTC only the device part)
+
 #ifndef KS
 #define KS 3  // K splits: each warpgroup takes ~NJ / KS block pairs of one 64-row group
 #endif
@@ -54,14 +56,6 @@
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
-
-__device__ __forceinline__ uint4 ld_na(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
 
 __device__ __forceinline__ u32 ld_u32(const u32* p) {
     u32 v;

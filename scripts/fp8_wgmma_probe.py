@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         key = tuple(sorted(defs.items()))
         if key not in mods:
             opts = tuple(f"-D{k}={v}" for k, v in defs.items()) + ("-arch=sm_90a", "-std=c++17")
+            opts += (f"--include-path={Path(__file__).parent}",)  # probe_cuda.h, beside the source
             mods[key] = cp.RawModule(code=source, options=opts)
         return mods[key].get_function(fn)
 

@@ -1,5 +1,6 @@
-// What the nvcc-built GPU probes under scripts/ share (pdl_preload_probe.cu, pdl_prewait_probe.cu):
-// a checked runtime call, a launch with or without PDL, and a 16-byte streaming load.
+// What the GPU probes under scripts/ share (pdl_preload_probe.cu, pdl_prewait_probe.cu, built by nvcc;
+// fp8_wgmma_probe.cu, by NVRTC through CuPy, device part only): a checked runtime call, a launch with
+// or without PDL, and a 16-byte streaming load.
 // Under NVRTC (tests/test_cuda_probe_sources.py) only the device part is compiled; under g++ with
 // -DPROBE_HOST_CHECK (the host-code check of the same tests) only the host part.
 #pragma once
@@ -39,7 +40,7 @@ static void launch(K kernel, int grid, int block, int smem, cudaStream_t s, bool
 
 #ifndef PROBE_HOST_CHECK
 // 16 bytes of a weight streamed once: the read-only path, not kept in L1.
-__device__ __forceinline__ uint4 ld_na(const uint4* p) {
+__device__ __forceinline__ uint4 ld_na(const void* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
