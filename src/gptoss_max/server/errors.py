@@ -105,9 +105,8 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     where = _unpaired_surrogate(body)
     if where is not None:  # JSON may escape one (\ud800); no UTF-8 text holds it, so nothing downstream could
         raise bad_request(
-            f"Invalid value for {where or 'the request body'!r}: it holds an unpaired UTF-16 surrogate "
-            "escape, which is not text.",
-            where or None,
+            f"Invalid value for {where!r}: it holds an unpaired UTF-16 surrogate escape, which is not text.",
+            where,
             "invalid_value",
         )
     return body
@@ -127,7 +126,7 @@ def _unpaired_surrogate(body: dict[str, Any]) -> str | None:
             items = []
             for key, item in value.items():
                 here = f"{path}.{key}" if path else str(key)
-                if not _is_utf8(str(key)):
+                if not _is_utf8(key):
                     return here.encode("utf-8", "backslashreplace").decode()
                 items.append((here, item))
             todo.extend(reversed(items))  # popped in order: the first offender is reported

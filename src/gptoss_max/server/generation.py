@@ -72,8 +72,8 @@ class Generation:
             raise shutting_down()
 
     async def _pull(self) -> list[int] | None:
-        """The engine's next chunk; None at its end or once aborted or stopped early."""
-        if self.aborted or self.stopped_early:
+        """The engine's next chunk; None at its end or once aborted."""
+        if self.aborted:
             return None
         pending = self._pending = asyncio.ensure_future(anext(self._chunks, None))
         try:
@@ -98,13 +98,11 @@ class Generation:
 
     def stop_early(self) -> None:
         """End generating now as completed: what the consumer wanted has come (a stop sequence).
-        Events already parsed from the current chunk still arrive; no more chunks are taken, and
-        the engine is told to cancel the request when the events end."""
-        if self.aborted or self._ended:
-            return
-        self.stopped_early = True
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
+        Called by the consumer of `events`, between two of them: events already parsed from the
+        current chunk still arrive; no more chunks are taken, and the engine is told to cancel the
+        request when the events end."""
+        if not (self.aborted or self._ended):
+            self.stopped_early = True
 
     @property
     def status(self) -> str:
