@@ -488,6 +488,7 @@ def worker(args: argparse.Namespace) -> int:
         "arch": args.arch,
         "encoding": args.encoding,
         "graph_capture": args.worker_graph_capture,
+        "replay_small_graphs": args.worker_graph_capture and args.replay_small_graphs,
         "batches": [],
     }
 
@@ -511,6 +512,7 @@ def worker(args: argparse.Namespace) -> int:
         kv_memory_fraction=args.kv_memory_fraction,
         encoding=args.encoding,
         graph_capture=args.worker_graph_capture,
+        replay_small_graphs=args.worker_graph_capture and args.replay_small_graphs,
         max_batch_input_tokens=args.max_batch_input_tokens,
         arch_module="gptoss_max.stock" if args.arch == "stock" else "gptoss_max.arch",
     )
@@ -551,8 +553,11 @@ def worker(args: argparse.Namespace) -> int:
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
         row["gpu_state"] = {"before": before, "after": gpu_state() if gpu else None}
         row["host_state"] = {"before": host_before, "after": host_state()}
+        row["replayed"] = {m.name: dict(m.counts) for m in engine.replayed}  # cumulative, warm-up included
         row["peak_memory_bytes"] = max((p for p in (warm_peak, timed.peak) if p is not None), default=None)
         result["batches"].append(row)
+        if row["replayed"]:
+            print(f"replayed small graphs: {row['replayed']}", flush=True)
         print(
             f"[{args.arch}{' graph-capture' if args.worker_graph_capture else ''}] batch {b}: "
             f"{row['decode_tok_s'] or 0:.1f} tok/s decode, TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms"
@@ -678,6 +683,8 @@ def run_worker(
             cmd += [flag, str(value)]
     if graph_capture:
         cmd.append("--worker-graph-capture")
+    if getattr(args, "replay_small_graphs", False):  # (callers that build their own Namespace)
+        cmd.append("--replay-small-graphs")
     print(f"--> {tag}: {shlex.join(cmd[1:])}  (log: {log})", flush=True)
     t0 = time.perf_counter()
     error = None
@@ -977,6 +984,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["off", "on", "both"],
         default="off",
         help="our decode steps replay captured device graphs (MAX's overlap pipeline); both = two runs",
+    )
+    p.add_argument(
+        "--replay-small-graphs",
+        action="store_true",
+        help="with graphs: the overlap pipeline's per-step sampler and token scatter replay device graphs too, "
+        "instead of running eagerly each step (maxapi.ReplayedModel)",
     )
     p.add_argument(
         "--stock",

@@ -34,6 +34,9 @@ class EngineOptions:
     kv_memory_fraction: float | None = None
     encoding: str | None = None  # float32 on CPU and bfloat16 on GPU unless given
     graph_capture: bool = False  # decode steps replay captured device graphs (GPU only; MAX's overlap pipeline)
+    # with graph_capture: the pipeline's per-step sampler and token scatter replay graphs too
+    # (maxapi.ReplayedModel), instead of running eagerly each step
+    replay_small_graphs: bool = False
     max_batch_input_tokens: int | None = None  # prompt tokens one step may take (MAX's default: 8192)
     arch_module: str = ARCH_MODULE  # the custom architecture module MAX registers (e2e: gptoss_max.stock)
 
@@ -55,6 +58,8 @@ def pipeline_args(opts: EngineOptions) -> Any:
     settings.check_deterministic(opts.graph_capture)
     if opts.graph_capture and not gpu:
         raise ValueError("device graph capture needs a GPU (MAX's overlap pipeline refuses CPU models)")
+    if opts.replay_small_graphs and not opts.graph_capture:
+        raise ValueError("replay_small_graphs needs graph_capture (it wraps the overlap pipeline's per-step graphs)")
     fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)
     runtime: dict[str, Any] = {
         "custom_architectures": [opts.arch_module],
@@ -90,6 +95,7 @@ class Engine:
             t0 = time.perf_counter()
             self.pipeline.warmup_graph_capture()  # captures decode graphs per batch size / cache length
             self.capture_seconds = time.perf_counter() - t0
+        self.replayed = maxapi.replay_overlap_graphs(self.pipeline) if opts.replay_small_graphs else []
 
     def generate(
         self,

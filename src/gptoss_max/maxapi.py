@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -57,6 +58,8 @@ from gptoss_max.tokenizer import never_utf8_ids
 # MAX's native library setenv()s PYTHONEXECUTABLE to the `python3` on PATH, so every child
 # process (MAX's own model worker included) would start outside this virtualenv. Undo it.
 os.unsetenv("PYTHONEXECUTABLE")
+
+_log = logging.getLogger(__name__)
 
 # MAX's device memory manager. Opening a GPU, MAX 26.7's DeviceContext sizes a memory pool at
 # MODULAR_DEVICE_CONTEXT_MEMORY_MANAGER_SIZE_PERCENT of the device's memory, and
@@ -237,6 +240,124 @@ def overlap_sync_waits(waits: list[float] | None = None, batch_class: Any = Asyn
         yield waits
     finally:
         batch_class.sync_and_process_outputs = original
+
+
+class ReplayedModel:
+    """A compiled MAX model whose calls replay device graphs, captured per input signature.
+
+    MAX's overlap pipeline replays the model's decode step from a device graph, but runs two small
+    graphs eagerly every step: the sampler (`_sampler_without_bitmask`) and the scatter of the
+    previous step's token into this step's input (`RealizeFutureTokenProcessor._graph`). Eager, each
+    costs the host ~0.15-0.25 ms of MAX's launch path per step (py-spy on the H200, bench/NOTES.md,
+    "Fourteenth session"), as much as the replay of the whole model. Here, a signature seen
+    `capture_after` times is captured into a graph (stable copies of its device inputs); later
+    calls copy their device inputs into those (one batched copy on the stream) and replay.
+
+    The signature is every input's shape, dtype and device, plus the value of each host-resident
+    input (a replay reads those only at capture: the sampler's `max_k` and `min_top_p` scalars), so
+    a captured graph only ever sees values it was captured with. Inputs it cannot refresh (a
+    non-empty pinned buffer, a large host one) keep the call eager, as do signatures past
+    `max_graphs`. Outputs are the graph's own buffers, overwritten by the next replay of that
+    signature: the overlap pipeline consumes each step's outputs on the stream (the next step's
+    scatter, the token's copy to the host) before the next replay of the same graph is queued."""
+
+    HOST_KEY_ELEMENTS = 64  # host inputs up to this many elements go into the key by value
+
+    def __init__(self, model: Any, *, name: str = "model", capture_after: int = 2, max_graphs: int = 8):
+        self.model = model
+        self.name = name
+        self.capture_after = capture_after
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple[Any, ...], tuple[list[Any], list[Any], int]] = {}
+        self.seen: dict[tuple[Any, ...], int] = {}
+        self.refused: set[tuple[Any, ...]] = set()
+        self.counts = {"replay": 0, "capture": 0, "eager": 0}
+
+    def __getattr__(self, name: str) -> Any:  # input_metadata, signature, ... of the model
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:  # as MAX's Model.__call__
+        bound = self.model.signature.bind(*args, **kwargs)
+        return self.execute(*bound.arguments.values())
+
+    def key(self, inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The signature of a call, or None where it cannot be replayed."""
+        from max.driver import Buffer
+
+        parts: list[Any] = []
+        for b in inputs:
+            if not isinstance(b, Buffer):
+                return None
+            dev = b.device
+            part: tuple[Any, ...] = (tuple(b.shape), str(b.dtype), dev.label, dev.id)
+            if dev.is_host or b.pinned:
+                if b.pinned and b.num_elements:
+                    return None  # the graph would read it through its pointer: not refreshable
+                if b.num_elements > self.HOST_KEY_ELEMENTS:
+                    return None
+                part += (b.to_numpy().tobytes(),)
+            parts.append(part)
+        return tuple(parts)
+
+    def execute(self, *inputs: Any) -> list[Any]:
+        key = self.key(inputs)
+        entry = self.graphs.get(key) if key is not None else None
+        if entry is None and key is not None and key not in self.refused and len(self.graphs) < self.max_graphs:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] >= self.capture_after:
+                entry = self._capture(key, inputs)
+        if entry is None:
+            self.counts["eager"] += 1
+            return self.model.execute(*inputs)
+        stable, outputs, graph_key = entry
+        # refresh the device inputs (host ones are in the key, and stay the captured buffers)
+        pairs = [(d, s) for s, d in zip(inputs, stable, strict=True) if d is not s and not d.device.is_host]
+        if pairs:
+            from max.driver import batch_inplace_copy
+
+            batch_inplace_copy([dst for dst, _ in pairs], [src for _, src in pairs])
+        self.model.replay(graph_key, *stable)
+        self.counts["replay"] += 1
+        return list(outputs)
+
+    def _capture(self, key: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[list[Any], list[Any], int] | None:
+        from max.driver import Buffer
+
+        stable = []
+        for b in inputs:  # filled with this call's values, so whatever capture runs reads real ones
+            if b.device.is_host or b.pinned:
+                stable.append(b)
+            else:
+                stable.append(Buffer(shape=b.shape, dtype=b.dtype, device=b.device))
+                stable[-1].inplace_copy_from(b)
+        graph_key = len(self.graphs) + 1
+        try:
+            outputs = list(self.model.capture(graph_key, *stable))
+        except Exception as exc:  # a graph MAX cannot capture stays eager (and says so once)
+            self.refused.add(key)
+            _log.warning("%s: device graph capture failed (%s); this signature stays eager", self.name, exc)
+            return None
+        self.graphs[key] = (stable, outputs, graph_key)
+        self.seen.pop(key, None)
+        self.counts["capture"] += 1
+        return self.graphs[key]
+
+
+def replay_overlap_graphs(pipeline: Any, **kwargs: Any) -> list[ReplayedModel]:
+    """Wrap the overlap pipeline's eager per-step graphs (MAX 26.7: the sampler without a bitmask,
+    and the future-token scatter) in `ReplayedModel`s; returns them (their `counts` say what ran).
+    A pipeline without them (not the overlap pipeline) is left as it is."""
+    wrapped: list[ReplayedModel] = []
+    sampler = getattr(pipeline, "_sampler_without_bitmask", None)
+    if sampler is not None and not isinstance(sampler, ReplayedModel):
+        pipeline._sampler_without_bitmask = ReplayedModel(sampler, name="sampler", **kwargs)
+        wrapped.append(pipeline._sampler_without_bitmask)
+    realize = getattr(pipeline, "_realize_future_token_processor", None)
+    graph = getattr(realize, "_graph", None)
+    if graph is not None and not isinstance(graph, ReplayedModel):
+        realize._graph = ReplayedModel(realize._graph, name="realize_future_token", **kwargs)
+        wrapped.append(realize._graph)
+    return wrapped
 
 
 def device_sync_enabled() -> bool:

@@ -1,0 +1,192 @@
+"""maxapi.ReplayedModel: the overlap pipeline's small per-step graphs (sampler, future-token
+scatter) replayed from device graphs. A stand-in model checks the bookkeeping (signatures, when it
+captures, what each replay refreshes); a real MAX graph checks that replayed results equal eager
+ones, call after call with new values (on a CPU, where MAX cannot capture, that the call falls
+back to eager and says so; on a GPU, the replay itself)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from gptoss_max import maxapi
+from op_graphs import load_op_graph, op_devices
+
+
+class StandIn:
+    """Records captures and replays; a replay adds 1 to the captured stable inputs' first one."""
+
+    def __init__(self, fail_capture: bool = False):
+        self.fail_capture = fail_capture
+        self.calls: list[tuple[str, int | None]] = []
+        self.captured: dict[int, list] = {}
+
+    @property
+    def signature(self):
+        import inspect
+
+        return inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in "xk"])
+
+    def execute(self, *inputs):
+        self.calls.append(("execute", None))
+        return [inputs[0].to_numpy() + 1]
+
+    def capture(self, key, *stable):
+        if self.fail_capture:
+            raise RuntimeError("not capturable")
+        self.calls.append(("capture", key))
+        self.captured[key] = list(stable)
+        return ["out-buffer"]
+
+    def replay(self, key, *stable):
+        assert [id(b) for b in stable] == [id(b) for b in self.captured[key]]  # the captured buffers
+        self.calls.append(("replay", key))
+
+
+def host(values, dtype=np.float32):
+    from max.driver import Buffer
+
+    return Buffer.from_numpy(np.asarray(values, dtype=dtype))
+
+
+def test_captures_a_signature_on_its_second_call_then_replays_it():
+    model = maxapi.ReplayedModel(StandIn(), capture_after=2)
+    x, k = host([1.0, 2.0]), host(3, np.int64)
+    first = model.execute(x, k)
+    assert np.array_equal(first[0], [2.0, 3.0]) and model.counts == {"replay": 0, "capture": 0, "eager": 1}
+    assert model(x, k=k) == ["out-buffer"]  # the second sighting captures, then replays it
+    assert model.execute(host([1.0, 2.0]), host(3, np.int64)) == ["out-buffer"]  # same signature: a replay
+    assert [c for c, _ in model.model.calls] == ["execute", "capture", "replay", "replay"]
+    assert model.counts == {"replay": 2, "capture": 1, "eager": 1}
+
+
+def test_a_host_inputs_value_is_part_of_the_signature():
+    # a replay never reads host inputs again (they shaped the launch at capture), so a new value
+    # needs its own graph; a new shape too (device inputs, by shape only: the GPU test below)
+    model = maxapi.ReplayedModel(StandIn(), capture_after=1)
+    model.execute(host([1.0]), host(3, np.int64))
+    model.execute(host([1.0]), host(4, np.int64))
+    model.execute(host([1.0, 2.0]), host(3, np.int64))
+    model.execute(host([1.0]), host(3, np.int64))
+    assert [c for c in model.model.calls if c[0] == "capture"] == [("capture", 1), ("capture", 2), ("capture", 3)]
+    assert len(model.graphs) == 3 and model.counts["replay"] == 4
+
+
+def test_past_max_graphs_and_after_a_failed_capture_calls_stay_eager(caplog):
+    model = maxapi.ReplayedModel(StandIn(), capture_after=1, max_graphs=1)
+    model.execute(host([1.0]), host(1, np.int64))
+    model.execute(host([1.0]), host(2, np.int64))
+    assert model.counts == {"replay": 1, "capture": 1, "eager": 1}
+
+    failing = maxapi.ReplayedModel(StandIn(fail_capture=True), name="sampler", capture_after=1)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert np.array_equal(failing.execute(host([1.0]), host(1, np.int64))[0], [2.0])
+    assert failing.counts == {"replay": 0, "capture": 0, "eager": 3} and len(failing.refused) == 1
+    assert [r.getMessage() for r in caplog.records].count(
+        "sampler: device graph capture failed (not capturable); this signature stays eager"
+    ) == 1
+
+
+def test_inputs_a_replay_could_not_refresh_keep_the_call_eager():
+    model = maxapi.ReplayedModel(StandIn(), capture_after=1)
+    model.execute(host(np.zeros(maxapi.ReplayedModel.HOST_KEY_ELEMENTS + 1)), host(1, np.int64))
+    model.execute(host([1.0]), "not a buffer")
+    assert model.counts == {"replay": 0, "capture": 0, "eager": 2} and not model.graphs
+
+
+def test_replay_overlap_graphs_wraps_the_pipelines_per_step_graphs_once():
+    # the touchpoints: MAX 26.7's overlap pipeline keeps its sampler and the scatter's graph here
+    import inspect
+
+    from max.pipelines.lib.pipeline_variants import overlap_text_generation as otg
+    from max.pipelines.sampling import sampling_logits_processor as slp
+
+    source = inspect.getsource(otg.OverlapTextGenerationPipeline)
+    assert "sampler=self._sampler_without_bitmask" in source
+    assert "self._realize_future_token_processor.realize_future_tokens(" in source
+    assert "self._graph.execute(*tree.leaves(my_inputs))" in inspect.getsource(otg.RealizeFutureTokenProcessor)
+    assert "sampler(*graph_inputs)" in inspect.getsource(slp._sample_logits)
+
+    class Realize:
+        _graph = StandIn()
+
+    class Pipeline:
+        _sampler_without_bitmask = StandIn()
+        _realize_future_token_processor = Realize()
+
+    pipeline = Pipeline()
+    wrapped = maxapi.replay_overlap_graphs(pipeline)
+    assert [w.name for w in wrapped] == ["sampler", "realize_future_token"]
+    assert (
+        pipeline._sampler_without_bitmask is wrapped[0]
+        and pipeline._realize_future_token_processor._graph is wrapped[1]
+    )
+    assert maxapi.replay_overlap_graphs(pipeline) == []  # already wrapped
+    assert maxapi.replay_overlap_graphs(object()) == []  # not the overlap pipeline
+
+
+def test_engine_options_need_graph_capture_for_it():
+    from gptoss_max.engine import EngineOptions, pipeline_args
+
+    with pytest.raises(ValueError, match="replay_small_graphs needs graph_capture"):
+        pipeline_args(EngineOptions(model="synthetic:tiny", device="cpu", replay_small_graphs=True))
+
+
+def _gather_scale(kind: str):
+    """out = x[idx] * scale, x f32[N] and idx i64[B] on the device, scale a host f32 scalar moved
+    to the device in the graph: one device gather, like the scatter, and a host scalar, like the
+    sampler's max_k."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, TensorType, ops
+
+    def forward(x, idx, scale):
+        return ops.gather(x, idx, axis=0) * ops.transfer_to(scale, x.device)
+
+    return load_op_graph(
+        kind,
+        "replayed_gather",
+        forward,
+        lambda dev: [
+            TensorType(DType.float32, ["N"], dev),
+            TensorType(DType.int64, ["B"], dev),
+            TensorType(DType.float32, [], DeviceRef.CPU()),
+        ],
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", op_devices())
+def test_replayed_results_equal_eager_ones_call_after_call(kind):
+    from max.driver import Buffer
+
+    device, raw = _gather_scale(kind)
+    model = maxapi.ReplayedModel(raw, name="gather", capture_after=2)
+    rng = np.random.default_rng(0)
+    pending = []
+    for step in range(8):
+        x = rng.standard_normal(64).astype(np.float32)
+        idx = rng.integers(0, 64, size=3 if step < 6 else 5)
+        scale = np.float32(2.0 if step % 3 else 0.5)
+        inputs = [
+            Buffer.from_numpy(x).to(device),
+            Buffer.from_numpy(idx).to(device),
+            Buffer.from_numpy(np.array(scale)),
+        ]
+        (out,) = model.execute(*inputs)
+        pending.append((out.to_numpy().copy(), x[idx] * scale))  # read before the next call overwrites it
+    for got, want in pending:
+        np.testing.assert_array_equal(got, want)
+    if kind == "cpu":  # host inputs are keyed by value, and MAX captures on GPUs only
+        same = [
+            Buffer.from_numpy(np.ones(4, np.float32)),
+            Buffer.from_numpy(np.arange(2)),
+            Buffer.from_numpy(np.array(x[0])),
+        ]
+        for _ in range(3):  # the 2nd call tries to capture, is refused, and the 3rd does not try again
+            np.testing.assert_array_equal(model.execute(*same)[0].to_numpy(), [x[0], x[0]])
+        assert model.counts == {"replay": 0, "capture": 0, "eager": 11} and len(model.refused) == 1
+    else:  # (len 3, scale 2), (3, 0.5) captured on their 2nd call; (5, ...) seen once each
+        assert model.counts == {"replay": 4, "capture": 2, "eager": 4}
