@@ -337,6 +337,9 @@ class ReplayedModel:
             self.refused.add(key)
             _log.warning("%s: device graph capture failed (%s); this signature stays eager", self.name, exc)
             return None
+        await_graphs = getattr(self.model, "_await_device_graphs", None)
+        if await_graphs is not None:  # MAX instantiates captured graphs on threads (26.7)
+            await_graphs()
         self.graphs[key] = (stable, outputs, graph_key)
         self.seen.pop(key, None)
         self.counts["capture"] += 1
