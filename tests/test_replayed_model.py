@@ -16,12 +16,14 @@ from op_graphs import load_op_graph, op_devices
 
 
 class StandIn:
-    """Records captures and replays; a replay adds 1 to the captured stable inputs' first one."""
+    """Records captures and replays; each computes x + 1 (`off` added to a replay's result: a
+    replay that goes wrong)."""
 
-    def __init__(self, fail_capture: bool = False):
+    def __init__(self, fail_capture: bool = False, off: float = 0.0):
         self.fail_capture = fail_capture
+        self.off = off
         self.calls: list[tuple[str, int | None]] = []
-        self.captured: dict[int, list] = {}
+        self.captured: dict[int, tuple[list, list]] = {}
 
     @property
     def signature(self):
@@ -31,17 +33,19 @@ class StandIn:
 
     def execute(self, *inputs):
         self.calls.append(("execute", None))
-        return [inputs[0].to_numpy() + 1]
+        return [host(inputs[0].to_numpy() + 1)]
 
     def capture(self, key, *stable):
         if self.fail_capture:
             raise RuntimeError("not capturable")
         self.calls.append(("capture", key))
-        self.captured[key] = list(stable)
-        return ["out-buffer"]
+        self.captured[key] = (list(stable), [host(np.zeros_like(stable[0].to_numpy()))])
+        return self.captured[key][1]
 
     def replay(self, key, *stable):
-        assert [id(b) for b in stable] == [id(b) for b in self.captured[key]]  # the captured buffers
+        captured, (out,) = self.captured[key]
+        assert [id(b) for b in stable] == [id(b) for b in captured]  # the captured buffers
+        out.to_numpy()[:] = captured[0].to_numpy() + 1 + self.off
         self.calls.append(("replay", key))
 
 
@@ -55,9 +59,11 @@ def test_captures_a_signature_on_its_second_call_then_replays_it():
     model = maxapi.ReplayedModel(StandIn(), capture_after=2)
     x, k = host([1.0, 2.0]), host(3, np.int64)
     first = model.execute(x, k)
-    assert np.array_equal(first[0], [2.0, 3.0]) and model.counts == {"replay": 0, "capture": 0, "eager": 1}
-    assert model(x, k=k) == ["out-buffer"]  # the second sighting captures, then replays it
-    assert model.execute(host([1.0, 2.0]), host(3, np.int64)) == ["out-buffer"]  # same signature: a replay
+    assert np.array_equal(first[0].to_numpy(), [2.0, 3.0])
+    assert model.counts == {"replay": 0, "capture": 0, "eager": 1}
+    (second,) = model(x, k=k)  # the second sighting captures, then replays it
+    (third,) = model.execute(host([1.0, 2.0]), host(3, np.int64))  # same signature: a replay
+    assert third is second and np.array_equal(third.to_numpy(), [2.0, 3.0])  # the graph's own output
     assert [c for c, _ in model.model.calls] == ["execute", "capture", "replay", "replay"]
     assert model.counts == {"replay": 2, "capture": 1, "eager": 1}
 
@@ -83,11 +89,20 @@ def test_past_max_graphs_and_after_a_failed_capture_calls_stay_eager(caplog):
     failing = maxapi.ReplayedModel(StandIn(fail_capture=True), name="sampler", capture_after=1)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
-            assert np.array_equal(failing.execute(host([1.0]), host(1, np.int64))[0], [2.0])
+            assert np.array_equal(failing.execute(host([1.0]), host(1, np.int64))[0].to_numpy(), [2.0])
     assert failing.counts == {"replay": 0, "capture": 0, "eager": 3} and len(failing.refused) == 1
     assert [r.getMessage() for r in caplog.records].count(
         "sampler: device graph capture failed (not capturable); this signature stays eager"
     ) == 1
+
+
+def test_check_mode_compares_each_replay_with_an_eager_call():
+    for off, mismatches in [(0.0, 0), (0.5, 2)]:
+        model = maxapi.ReplayedModel(StandIn(off=off), capture_after=1, check=True)
+        for _ in range(2):
+            model.execute(host([1.0, 2.0]), host(3, np.int64))
+        assert model.counts == {"replay": 2, "capture": 1, "eager": 0, "checked": 2, "mismatch": mismatches}
+        assert [c for c, _ in model.model.calls] == ["capture", "replay", "execute", "replay", "execute"]
 
 
 def test_inputs_a_replay_could_not_refresh_keep_the_call_eager():
@@ -136,14 +151,14 @@ def test_engine_options_need_graph_capture_for_it():
 
 
 def _gather_scale(kind: str):
-    """out = x[idx] * scale, x f32[N] and idx i64[B] on the device, scale a host f32 scalar moved
-    to the device in the graph: one device gather, like the scatter, and a host scalar, like the
-    sampler's max_k."""
+    """out = x[idx] * scale, all on the device: a gather, like the future-token scatter. (A host
+    input moved to the device inside a graph cannot be captured: MAX's capture fails with
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED on the H200, and the call stays eager.)"""
     from max.dtype import DType
-    from max.graph import DeviceRef, TensorType, ops
+    from max.graph import TensorType, ops
 
     def forward(x, idx, scale):
-        return ops.gather(x, idx, axis=0) * ops.transfer_to(scale, x.device)
+        return ops.gather(x, idx, axis=0) * scale
 
     return load_op_graph(
         kind,
@@ -152,7 +167,7 @@ def _gather_scale(kind: str):
         lambda dev: [
             TensorType(DType.float32, ["N"], dev),
             TensorType(DType.int64, ["B"], dev),
-            TensorType(DType.float32, [], DeviceRef.CPU()),
+            TensorType(DType.float32, [1], dev),
         ],
     )
 
@@ -163,30 +178,21 @@ def test_replayed_results_equal_eager_ones_call_after_call(kind):
     from max.driver import Buffer
 
     device, raw = _gather_scale(kind)
-    model = maxapi.ReplayedModel(raw, name="gather", capture_after=2)
+    model = maxapi.ReplayedModel(raw, name="gather", capture_after=2, check=kind == "gpu")
     rng = np.random.default_rng(0)
     pending = []
     for step in range(8):
         x = rng.standard_normal(64).astype(np.float32)
         idx = rng.integers(0, 64, size=3 if step < 6 else 5)
-        scale = np.float32(2.0 if step % 3 else 0.5)
-        inputs = [
-            Buffer.from_numpy(x).to(device),
-            Buffer.from_numpy(idx).to(device),
-            Buffer.from_numpy(np.array(scale)),
-        ]
-        (out,) = model.execute(*inputs)
+        scale = np.array([2.0 if step % 3 else 0.5], np.float32)
+        (out,) = model.execute(*(Buffer.from_numpy(a).to(device) for a in (x, idx, scale)))
         pending.append((out.to_numpy().copy(), x[idx] * scale))  # read before the next call overwrites it
     for got, want in pending:
         np.testing.assert_array_equal(got, want)
     if kind == "cpu":  # host inputs are keyed by value, and MAX captures on GPUs only
-        same = [
-            Buffer.from_numpy(np.ones(4, np.float32)),
-            Buffer.from_numpy(np.arange(2)),
-            Buffer.from_numpy(np.array(x[0])),
-        ]
+        same = [Buffer.from_numpy(a) for a in (np.ones(4, np.float32), np.arange(2), np.array([x[0]]))]
         for _ in range(3):  # the 2nd call tries to capture, is refused, and the 3rd does not try again
             np.testing.assert_array_equal(model.execute(*same)[0].to_numpy(), [x[0], x[0]])
         assert model.counts == {"replay": 0, "capture": 0, "eager": 11} and len(model.refused) == 1
-    else:  # (len 3, scale 2), (3, 0.5) captured on their 2nd call; (5, ...) seen once each
-        assert model.counts == {"replay": 4, "capture": 2, "eager": 4}
+    else:  # length 3: eager once, then captured and replayed 5 times; length 5: eager, then replayed
+        assert model.counts == {"replay": 6, "capture": 2, "eager": 2, "checked": 6, "mismatch": 0}

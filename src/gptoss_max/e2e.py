@@ -488,7 +488,7 @@ def worker(args: argparse.Namespace) -> int:
         "arch": args.arch,
         "encoding": args.encoding,
         "graph_capture": args.worker_graph_capture,
-        "replay_small_graphs": args.worker_graph_capture and args.replay_small_graphs,
+        "replay_small_graphs": args.replay_small_graphs if args.worker_graph_capture else "off",
         "batches": [],
     }
 
@@ -512,7 +512,8 @@ def worker(args: argparse.Namespace) -> int:
         kv_memory_fraction=args.kv_memory_fraction,
         encoding=args.encoding,
         graph_capture=args.worker_graph_capture,
-        replay_small_graphs=args.worker_graph_capture and args.replay_small_graphs,
+        replay_small_graphs=args.worker_graph_capture and args.replay_small_graphs != "off",
+        replay_check=args.replay_small_graphs == "check",
         max_batch_input_tokens=args.max_batch_input_tokens,
         arch_module="gptoss_max.stock" if args.arch == "stock" else "gptoss_max.arch",
     )
@@ -683,8 +684,8 @@ def run_worker(
             cmd += [flag, str(value)]
     if graph_capture:
         cmd.append("--worker-graph-capture")
-    if getattr(args, "replay_small_graphs", False):  # (callers that build their own Namespace)
-        cmd.append("--replay-small-graphs")
+    if getattr(args, "replay_small_graphs", "off") != "off":  # (callers that build their own Namespace)
+        cmd += ["--replay-small-graphs", args.replay_small_graphs]
     print(f"--> {tag}: {shlex.join(cmd[1:])}  (log: {log})", flush=True)
     t0 = time.perf_counter()
     error = None
@@ -987,9 +988,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--replay-small-graphs",
-        action="store_true",
+        choices=["off", "on", "check"],
+        default="off",
         help="with graphs: the overlap pipeline's per-step sampler and token scatter replay device graphs too, "
-        "instead of running eagerly each step (maxapi.ReplayedModel)",
+        "instead of running eagerly each step (maxapi.ReplayedModel); check: and each replay's outputs are "
+        "compared with an eager call's (slow; the counts go into the result)",
     )
     p.add_argument(
         "--stock",

@@ -37,6 +37,7 @@ class EngineOptions:
     # with graph_capture: the pipeline's per-step sampler and token scatter replay graphs too
     # (maxapi.ReplayedModel), instead of running eagerly each step
     replay_small_graphs: bool = False
+    replay_check: bool = False  # ... and each replay is checked against an eager call (ReplayedModel.check)
     max_batch_input_tokens: int | None = None  # prompt tokens one step may take (MAX's default: 8192)
     arch_module: str = ARCH_MODULE  # the custom architecture module MAX registers (e2e: gptoss_max.stock)
 
@@ -95,7 +96,9 @@ class Engine:
             t0 = time.perf_counter()
             self.pipeline.warmup_graph_capture()  # captures decode graphs per batch size / cache length
             self.capture_seconds = time.perf_counter() - t0
-        self.replayed = maxapi.replay_overlap_graphs(self.pipeline) if opts.replay_small_graphs else []
+        self.replayed = (
+            maxapi.replay_overlap_graphs(self.pipeline, check=opts.replay_check) if opts.replay_small_graphs else []
+        )
 
     def generate(
         self,

@@ -263,15 +263,20 @@ class ReplayedModel:
 
     HOST_KEY_ELEMENTS = 64  # host inputs up to this many elements go into the key by value
 
-    def __init__(self, model: Any, *, name: str = "model", capture_after: int = 2, max_graphs: int = 8):
+    def __init__(
+        self, model: Any, *, name: str = "model", capture_after: int = 2, max_graphs: int = 8, check: bool = False
+    ):
         self.model = model
         self.name = name
         self.capture_after = capture_after
         self.max_graphs = max_graphs
+        # check: every replay also runs the call eagerly, and counts outputs that differ (a test
+        # mode: it syncs the host with the GPU twice a call)
+        self.check = check
         self.graphs: dict[tuple[Any, ...], tuple[list[Any], list[Any], int]] = {}
         self.seen: dict[tuple[Any, ...], int] = {}
         self.refused: set[tuple[Any, ...]] = set()
-        self.counts = {"replay": 0, "capture": 0, "eager": 0}
+        self.counts = {"replay": 0, "capture": 0, "eager": 0} | ({"checked": 0, "mismatch": 0} if check else {})
 
     def __getattr__(self, name: str) -> Any:  # input_metadata, signature, ... of the model
         return getattr(self.model, name)
@@ -318,6 +323,11 @@ class ReplayedModel:
             batch_inplace_copy([dst for dst, _ in pairs], [src for _, src in pairs])
         self.model.replay(graph_key, *stable)
         self.counts["replay"] += 1
+        if self.check:
+            eager = self.model.execute(*inputs)
+            same = all(np.array_equal(o.to_numpy(), e.to_numpy()) for o, e in zip(outputs, eager, strict=True))
+            self.counts["checked"] += 1
+            self.counts["mismatch"] += not same
         return list(outputs)
 
     def _capture(self, key: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[list[Any], list[Any], int] | None:
@@ -346,7 +356,7 @@ class ReplayedModel:
         return self.graphs[key]
 
 
-def replay_overlap_graphs(pipeline: Any, **kwargs: Any) -> list[ReplayedModel]:
+def replay_overlap_graphs(pipeline: Any, **kwargs: Any) -> list[ReplayedModel]:  # kwargs: ReplayedModel's
     """Wrap the overlap pipeline's eager per-step graphs (MAX 26.7: the sampler without a bitmask,
     and the future-token scatter) in `ReplayedModel`s; returns them (their `counts` say what ran).
     A pipeline without them (not the overlap pipeline) is left as it is."""
