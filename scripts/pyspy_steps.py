@@ -39,9 +39,11 @@ def read_stacks(path: Path, within: str, thread: str = "MainThread") -> list[tup
     with opener(path, "rt") as fh:
         for line in fh:
             stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not count.isdigit() or thread not in stack.split(";", 1)[0] or within not in stack:
+            if not count.isdigit() or thread not in stack.split(";", 1)[0]:
                 continue
-            stacks.append(([frame_name(f) for f in stack.split(";")], int(count)))
+            frames = [frame_name(f) for f in stack.split(";")]
+            if any(within in f for f in frames):
+                stacks.append((frames, int(count)))
     return stacks
 
 
@@ -75,7 +77,9 @@ def render(node: dict[str, Any], total: int, step_ms: float | None, min_pct: flo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("profile", type=Path, help="py-spy raw output (.txt or .txt.gz)")
-    ap.add_argument("--within", default="run_batch.<locals>.step", help="keep stacks through this frame")
+    ap.add_argument(
+        "--within", default="run_batch.<locals>.step", help="keep stacks through a frame holding this (no line numbers)"
+    )
     ap.add_argument("--root", default="OverlapTextGenerationPipeline._execute", help="the tree starts here")
     ap.add_argument("--step-ms", type=float, default=None, help="the step's host time, to show ms too")
     ap.add_argument("--min", type=float, default=1.2, help="leave out frames under this percent")
