@@ -196,3 +196,30 @@ def test_replayed_results_equal_eager_ones_call_after_call(kind):
         assert model.counts == {"replay": 0, "capture": 0, "eager": 11} and len(model.refused) == 1
     else:  # length 3: eager once, then captured and replayed 5 times; length 5: eager, then replayed
         assert model.counts == {"replay": 6, "capture": 2, "eager": 2, "checked": 6, "mismatch": 0}
+
+
+def test_serve_wraps_the_workers_pipeline_when_asked_and_needs_graph_capture_for_it(tmp_path):
+    import argparse
+
+    from gptoss_max.cli import build_parser
+    from gptoss_max.server.cli import pipeline_args
+    from gptoss_max.server.kv_probe import ProbedFactory
+
+    class Realize:
+        _graph = StandIn()
+
+    class Pipeline:
+        kv_manager = None  # no KV probe thread
+        _sampler_without_bitmask = StandIn()
+        _realize_future_token_processor = Realize()
+
+    plain = ProbedFactory(Pipeline, tmp_path / "kv.json")()
+    assert isinstance(plain._sampler_without_bitmask, StandIn)
+    wrapped = ProbedFactory(Pipeline, tmp_path / "kv.json", replay_small_graphs=True)()
+    assert isinstance(wrapped._sampler_without_bitmask, maxapi.ReplayedModel)
+    assert isinstance(wrapped._realize_future_token_processor._graph, maxapi.ReplayedModel)
+
+    args = build_parser().parse_args(["serve", "--model", "synthetic:tiny", "--replay-small-graphs"])
+    assert args.replay_small_graphs and isinstance(args, argparse.Namespace)
+    with pytest.raises(ValueError, match="replay_small_graphs needs graph_capture"):
+        pipeline_args(args)  # on this CPU, --graph-capture auto is off

@@ -47,15 +47,25 @@ def _publish(kv_manager: Any, path: Path, interval: float) -> None:
 
 
 class ProbedFactory:
-    """MAX's pipeline factory, plus the publishing thread once the pipeline exists (in the worker)."""
+    """MAX's pipeline factory, plus the publishing thread once the pipeline exists (in the worker);
+    with `replay_small_graphs`, the overlap pipeline's sampler and token scatter wrapped to replay
+    device graphs (`maxapi.replay_overlap_graphs`)."""
 
-    def __init__(self, factory: Callable[[], Any], path: Path | str, interval: float = 0.2):
+    def __init__(
+        self, factory: Callable[[], Any], path: Path | str, interval: float = 0.2, replay_small_graphs: bool = False
+    ):
         self.factory = factory
         self.path = str(path)
         self.interval = interval
+        self.replay_small_graphs = replay_small_graphs
 
     def __call__(self) -> Any:
         pipeline = self.factory()
+        if self.replay_small_graphs:
+            from gptoss_max import maxapi
+
+            wrapped = maxapi.replay_overlap_graphs(pipeline)
+            logger.info("replaying device graphs for: %s", ", ".join(w.name for w in wrapped) or "nothing")
         kv_manager = getattr(pipeline, "kv_manager", None)
         if kv_manager is None:
             logger.warning("KV probe: the pipeline has no KV manager; no gptoss_kv_* figures")
