@@ -367,8 +367,8 @@ def replay_overlap_graphs(pipeline: Any, **kwargs: Any) -> list[ReplayedModel]: 
         wrapped.append(pipeline._sampler_without_bitmask)
     realize = getattr(pipeline, "_realize_future_token_processor", None)
     graph = getattr(realize, "_graph", None)
-    if graph is not None and not isinstance(graph, ReplayedModel):
-        realize._graph = ReplayedModel(realize._graph, name="realize_future_token", **kwargs)
+    if realize is not None and graph is not None and not isinstance(graph, ReplayedModel):
+        realize._graph = ReplayedModel(graph, name="realize_future_token", **kwargs)
         wrapped.append(realize._graph)
     return wrapped
 
