@@ -13,7 +13,8 @@
 #   3. scripts/e2e_modes.py over them: the slow stretches, and whether the host's own work or
 #      its wait for the GPU grew through them.
 # Usage: scripts/gpu_e2e_modes.sh OUT_DIR [RUNS (4)] [OUTPUT_LEN (1024)] [BUDGET_S (560)] [GC_MODES ("default")]
-#        MODEL=synthetic:20b,layers=6 (default synthetic:20b) and SOAK=0 (skips the probe) in the environment.
+#        MODEL=synthetic:20b,layers=6 (default synthetic:20b), SOAK=0 (skips the probe) and E2E_ARGS (more
+#        bench/e2e.py flags, e.g. "--replay-small-graphs on --isolate-main-thread") in the environment.
 # With 6 of 24 layers the GPU's part of a step shrinks to ~0.7 ms, so the step shows the host's own
 # floor per step (MAX's overlap pipeline and ours): what no kernel change can go under.
 set -u
@@ -22,6 +23,7 @@ runs=${2:-4}
 output_len=${3:-1024}
 budget=${4:-560}
 read -r -a gc_modes <<< "${5:-default}"
+read -r -a e2e_args <<< "${E2E_ARGS:-}"
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$out"
 t0=$(date +%s)
@@ -42,7 +44,7 @@ for r in $(seq 1 "$runs"); do
   if [ "$left" -lt "$need" ]; then echo "run $r: ${left} s left, stopping"; break; fi
   gc_flag=${gc_modes[$(( (r - 1) % ${#gc_modes[@]} ))]}
   timeout "$left" python3 bench/e2e.py --model "$model" --batch 1 --stock off --graph-capture on \
-    --output-len "$output_len" --gc "$gc_flag" --keep-logs --out "$out/e2e_$r" > "$out/e2e_$r.log" 2>&1
+    --output-len "$output_len" --gc "$gc_flag" --keep-logs "${e2e_args[@]}" --out "$out/e2e_$r" > "$out/e2e_$r.log" 2>&1
   echo "run $r (--gc $gc_flag) rc=$? at $(( $(date +%s) - t0 )) s"
   python3 - "$out/e2e_$r" <<'PY'
 import glob, json, sys
@@ -55,6 +57,8 @@ for f in glob.glob(sys.argv[1] + "/e2e_*.json"):
                       f"{b.get('tpot_quarters_ms')}; CPU quarters {b.get('cpu_quarters_ms')}, thread "
                       f"{b.get('thread_cpu_quarters_ms')}; waiting for the GPU {b.get('sync_wait_quarters_ms')}")
                 print(f"  gpu {b.get('gpu_state')}\n  host {b.get('host_state')}")
+                print(f"  threads {b.get('busiest_threads')}; isolated {b.get('isolated_main_thread')}; "
+                      f"replayed {b.get('replayed')}")
 PY
 done
 python3 scripts/e2e_modes.py "$out"

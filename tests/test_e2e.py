@@ -291,7 +291,7 @@ def test_bench_smoke_on_cpu(tmp_path):
     """`gptoss-max bench` as a user runs it, at CI size: synthetic:tiny on the CPU, batch 1 and 2."""
     cmd = [sys.executable, "-m", "gptoss_max.cli", "bench", "--model", "synthetic:tiny", "--device", "cpu",
            "--batch", "1", "2", "--prompt-len", "40", "--output-len", "6", "--max-length", "1024", "--stock", "off",
-           "--out", str(tmp_path), "--keep-logs", "--gc", "freeze"]  # fmt: skip
+           "--out", str(tmp_path), "--keep-logs", "--gc", "freeze", "--isolate-main-thread"]  # fmt: skip
     env = dict(os.environ, GPTOSS_MAX_ROUTER="fused")  # a run-changing setting: the command records it
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -318,7 +318,11 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert len(b["tpot_quarters_ms"]) == 4 and len(r["tpot_quarters_ms"]) == 4
         assert len(b["cpu_quarters_ms"]) == 4 and all(q > 0 for q in b["cpu_quarters_ms"])
         assert b["gpu_state"] == {"before": None, "after": None} and b["host_state"]["after"]["cpus_allowed"] >= 1
-    assert worker["gc"] == "freeze" and "--gc freeze" in result["command"]
+        # the busiest threads of the timed batch, the main thread's isolation, no graphs to replay
+        assert b["busiest_threads"] and b["busiest_threads"][0][2] > 0 and b["replayed"] == {}
+        iso = b["isolated_main_thread"]
+        assert iso["isolated"] or "no allowed CPU outside" in iso["reason"]
+    assert worker["gc"] == "freeze" and "--gc freeze" in result["command"] and worker["isolate_main_thread"]
     assert worker["kv_bytes_per_token"] == memory.kv_bytes_per_token(PRESETS["tiny"], 4)  # MAX's cache = our plan
     assert worker["memory_plan"]["kv_cache_bytes"] > 0
     assert run["memory_plan"]["per_batch"]["1"]["weights_bytes"] == sum(

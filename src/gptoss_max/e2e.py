@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from gptoss_max import memory, settings
+from gptoss_max import affinity, memory, settings
 from gptoss_max.config import ModelSpec
 from gptoss_max.synthetic import SyntheticModel
 
@@ -489,6 +489,7 @@ def worker(args: argparse.Namespace) -> int:
         "encoding": args.encoding,
         "graph_capture": args.worker_graph_capture,
         "replay_small_graphs": args.replay_small_graphs if args.worker_graph_capture else "off",
+        "isolate_main_thread": args.isolate_main_thread,
         "batches": [],
     }
 
@@ -549,9 +550,13 @@ def worker(args: argparse.Namespace) -> int:
         # "outside": the timed run is only sampled before and after (MAX plans its memory up front,
         # and the warm-up above, polled, runs the same shapes); "during": polled as it runs.
         timed = PeakMemory(gpu, poll=args.memory_poll == "during")
+        isolation = affinity.isolate_main_thread() if args.isolate_main_thread else None
         before, host_before = gpu_state() if gpu else None, host_state()
+        threads_before = affinity.thread_cpu_seconds()
         with timed, gc_mode(args.gc):
             row = run_batch(engine, prompts(b, args.prompt_len, b), args.output_len, budget)
+        row["busiest_threads"] = affinity.busiest_threads(threads_before, affinity.thread_cpu_seconds())
+        row["isolated_main_thread"] = isolation
         row["gpu_state"] = {"before": before, "after": gpu_state() if gpu else None}
         row["host_state"] = {"before": host_before, "after": host_state()}
         row["replayed"] = {m.name: dict(m.counts) for m in engine.replayed}  # cumulative, warm-up included
@@ -684,6 +689,8 @@ def run_worker(
             cmd += [flag, str(value)]
     if graph_capture:
         cmd.append("--worker-graph-capture")
+    if getattr(args, "isolate_main_thread", False):
+        cmd.append("--isolate-main-thread")
     if getattr(args, "replay_small_graphs", "off") != "off":  # (callers that build their own Namespace)
         cmd += ["--replay-small-graphs", args.replay_small_graphs]
     print(f"--> {tag}: {shlex.join(cmd[1:])}  (log: {log})", flush=True)
@@ -993,6 +1000,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="with graphs: the overlap pipeline's per-step sampler and token scatter replay device graphs too, "
         "instead of running eagerly each step (maxapi.ReplayedModel); check: and each replay's outputs are "
         "compared with an eager call's (slow; the counts go into the result)",
+    )
+    p.add_argument(
+        "--isolate-main-thread",
+        action="store_true",
+        help="before each timed batch, pin the worker's main thread to a CPU of its own (its other threads "
+        "moved off that CPU and its hyperthread siblings; gptoss_max.affinity)",
     )
     p.add_argument(
         "--stock",
