@@ -14,7 +14,8 @@
 #      its wait for the GPU grew through them.
 # Usage: scripts/gpu_e2e_modes.sh OUT_DIR [RUNS (4)] [OUTPUT_LEN (1024)] [BUDGET_S (560)] [GC_MODES ("default")]
 #        MODEL=synthetic:20b,layers=6 (default synthetic:20b), SOAK=0 (skips the probe) and E2E_ARGS (more
-#        bench/e2e.py flags, e.g. "--replay-small-graphs on --isolate-main-thread") in the environment.
+#        bench/e2e.py flags for every run, e.g. "--replay-small-graphs on") and VARIANTS (flag sets cycled
+#        run by run, "|" between them, e.g. "|--replay-small-graphs on" alternates off and on) in the environment.
 # With 6 of 24 layers the GPU's part of a step shrinks to ~0.7 ms, so the step shows the host's own
 # floor per step (MAX's overlap pipeline and ours): what no kernel change can go under.
 set -u
@@ -24,6 +25,8 @@ output_len=${3:-1024}
 budget=${4:-560}
 read -r -a gc_modes <<< "${5:-default}"
 read -r -a e2e_args <<< "${E2E_ARGS:-}"
+IFS='|' read -r -a variants <<< "${VARIANTS:-}"
+[ "${#variants[@]}" = 0 ] && variants=("")
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$out"
 t0=$(date +%s)
@@ -43,9 +46,11 @@ for r in $(seq 1 "$runs"); do
   need=$([ "$r" = 1 ] && echo 270 || echo 100)
   if [ "$left" -lt "$need" ]; then echo "run $r: ${left} s left, stopping"; break; fi
   gc_flag=${gc_modes[$(( (r - 1) % ${#gc_modes[@]} ))]}
+  variant=${variants[$(( (r - 1) % ${#variants[@]} ))]}
+  read -r -a variant_args <<< "$variant"
   timeout "$left" python3 bench/e2e.py --model "$model" --batch 1 --stock off --graph-capture on \
-    --output-len "$output_len" --gc "$gc_flag" --keep-logs "${e2e_args[@]}" --out "$out/e2e_$r" > "$out/e2e_$r.log" 2>&1
-  echo "run $r (--gc $gc_flag) rc=$? at $(( $(date +%s) - t0 )) s"
+    --output-len "$output_len" --gc "$gc_flag" --keep-logs "${e2e_args[@]}" "${variant_args[@]}" --out "$out/e2e_$r" > "$out/e2e_$r.log" 2>&1
+  echo "run $r (--gc $gc_flag ${variant}) rc=$? at $(( $(date +%s) - t0 )) s"
   python3 - "$out/e2e_$r" <<'PY'
 import glob, json, sys
 for f in glob.glob(sys.argv[1] + "/e2e_*.json"):

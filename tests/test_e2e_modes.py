@@ -61,3 +61,30 @@ def test_slow_stretches_within_a_run_and_who_waited(tmp_path, capsys):
     assert modes.main([str(tmp_path)]) == 0
     row = capsys.readouterr().out.splitlines()[2]
     assert "| 20 % | 1 (43) | 0.3 / 0.3 | 1.36 / 1.84 |" in row
+
+
+def test_gpu_e2e_modes_sh_cycles_variants_and_passes_common_flags(tmp_path):
+    """scripts/gpu_e2e_modes.sh with a stand-in python3 that records its arguments: every e2e run
+    gets E2E_ARGS, and VARIANTS' flag sets in turn ("|" between them; an empty one is no flags)."""
+    import os
+    import stat
+    import subprocess
+
+    from script_loader import ROOT
+
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\ncat > /dev/null\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", SOAK="0",
+               E2E_ARGS="--isolate-main-thread", VARIANTS="|--replay-small-graphs on")  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_e2e_modes.sh"), str(tmp_path / "out"), "3", "16", "1000"],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    runs = [line.split() for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("bench/e2e.py")]
+    assert len(runs) == 3
+    for r, args in enumerate(runs, 1):
+        assert "--isolate-main-thread" in args and args[-2:] == ["--out", str(tmp_path / "out" / f"e2e_{r}")]
+        assert ("--replay-small-graphs" in args) == (r == 2)
+    assert runs[1][runs[1].index("--replay-small-graphs") + 1] == "on"
+    assert "run 2 (--gc default --replay-small-graphs on) rc=0" in proc.stdout
