@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+from typing import Any
 
 import numpy as np
 
@@ -410,3 +411,32 @@ def test_overlap_sync_waits_times_the_wait_on_each_batchs_outputs():
     assert len(waits) == 2 and waits[0] >= 0.02 and waits[1] < 0.02
     Batch(0.0).sync_and_process_outputs()  # restored: no longer timed
     assert len(waits) == 2
+
+
+def test_tree_leaves_is_max_trees_leaves_without_the_structure():
+    import collections
+
+    from max import tree
+    from max.driver import Buffer
+
+    @tree.dataclass
+    class PerDevice:
+        blocks: Any
+        lengths: Any
+        extra: Any = None
+
+    Pair = collections.namedtuple("Pair", "a b")
+    b = [Buffer.from_numpy(np.array([i], np.int64)) for i in range(9)]
+    nested = [
+        PerDevice(b[0], [b[1], b[2]]),
+        (PerDevice(b[3], Pair(b[4], None), {"z": b[5], "a": b[6]}),),
+        {"k": [b[7]], "j": ()},
+        b[8],
+        7,
+    ]
+    want = tree.leaves(nested)
+    got = maxapi.tree_leaves(nested)
+    assert len(got) == len(want) and all(x is y for x, y in zip(got, want, strict=True))
+    as_ints = [int(x.to_numpy()[0]) if isinstance(x, Buffer) else x for x in got]
+    assert as_ints == [0, 1, 2, 3, 4, None, 6, 5, 7, 8, 7]  # a dict by sorted key; None a leaf, but not a None field
+    assert maxapi.tree_leaves(b[0]) == [b[0]] and maxapi.tree_leaves([]) == []

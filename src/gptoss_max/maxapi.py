@@ -439,15 +439,34 @@ def kv_occupancy(kv_manager: Any) -> tuple[int, int, int | None]:
     return int(count.used), int(count.total), requests
 
 
+def tree_leaves(value: Any) -> list[Any]:
+    """`max.tree.leaves(value)` (no `leaf` selector, aliases not shared), without the structure
+    (`TreeDef`) and paths it builds: a replayed decode step flattens its KV inputs every step,
+    and `tree.leaves` cost the 20b's step ~0.07 ms of host time on the H200 (bench/NOTES.md,
+    "Fourteenth session"). The same walk: a node (`tree.is_node`) is taken apart one level at a
+    time (`tree.flatten_one_level`), anything else is a leaf."""
+    from max import tree
+
+    out: list[Any] = []
+
+    def walk(v: Any) -> None:
+        if tree.is_node(v):
+            for child in tree.flatten_one_level(v)[0]:
+                walk(child)
+        else:
+            out.append(v)
+
+    walk(value)
+    return out
+
+
 def model_abi_buffers(inputs: Any) -> tuple[Any, ...]:
     """The positional buffers of MAX 26.7's gpt_oss model call, in `GptOssModel.execute`'s order:
     tokens, return_n_logits, row offsets per device, signal buffers, KV-cache leaves. MAX's device
     graph capture (and replay) calls the compiled model with exactly these; 26.7's GptOssInputs
     does not define them (`buffers` raises), so its gpt_oss cannot be captured as shipped."""
-    from max import tree
-
     offsets = inputs.input_row_offsets if isinstance(inputs.input_row_offsets, list) else [inputs.input_row_offsets]
-    kv = tree.leaves(inputs.kv_cache_inputs) if inputs.kv_cache_inputs is not None else []
+    kv = tree_leaves(inputs.kv_cache_inputs) if inputs.kv_cache_inputs is not None else []
     return (inputs.tokens, inputs.return_n_logits, *offsets, *inputs.signal_buffers, *kv)
 
 
