@@ -197,3 +197,33 @@ def test_stop_sequences_end_the_content(tmp_path, stream, chunk_size):
             assert reasoning == "Plan: say it, then Observation: none."  # stops do not apply there
             cut_short = stop != ["never"]
             assert engine.cancelled == before + cut_short, "a stop cancels what was left to generate"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_in_the_chunk_that_reaches_max_tokens_is_a_completed_stop(tmp_path, stream):
+    """The whole answer comes as one chunk that also reaches max_tokens: the stop sequence in it
+    still ends the completion as finish_reason "stop", and the request counts as completed (it
+    counted as incomplete, the status of a completion cut by its length)."""
+    from gptoss_max.server import metrics
+    from gptoss_max.tokenizer import harmony_encoding
+
+    total = len(harmony_encoding().encode(STOP_SCRIPT, allowed_special="all"))
+    engine = ScriptedEngine([STOP_SCRIPT], chunk_size=total)
+    completed = metrics.REQUESTS.labels("chat", "completed")
+    incomplete = metrics.REQUESTS.labels("chat", "incomplete")
+    with serving(build_app(engine, tmp_path / "r.sqlite3")) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Rain?"}]
+        for stop, finish_want, status in (("Observation:", "stop", completed), ("never", "length", incomplete)):
+            before = status._value.get()
+            out = client.chat.completions.create(model=engine.model_name, messages=msgs, stop=stop,
+                                                 max_tokens=total - 1, stream=stream)  # fmt: skip
+            if stream:
+                chunks = list(out)
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            else:
+                content, finish = out.choices[0].message.content, out.choices[0].finish_reason
+            assert finish == finish_want and content.startswith("Thought: look it up.\n"), (stop, finish, content)
+            assert ("Observation" in content) == (stop == "never")
+            assert status._value.get() == before + 1, (stop, "counted under another status")

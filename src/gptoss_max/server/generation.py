@@ -100,8 +100,9 @@ class Generation:
         """End generating now as completed: what the consumer wanted has come (a stop sequence).
         Called by the consumer of `events`, between two of them: events already parsed from the
         current chunk still arrive; no more chunks are taken, and the engine is told to cancel the
-        request when the events end."""
-        if not (self.aborted or self._ended):
+        request when the events end. Also when that chunk has reached max_tokens: the stop came
+        within the tokens allowed, so the request completed (not `incomplete`, its length's)."""
+        if not self.aborted:
             self.stopped_early = True
 
     @property
