@@ -217,15 +217,19 @@ def test_stock_variants():
 
 def _args(**kw):
     base = dict(device="cpu", prompt_len=8, output_len=2, warmup_tokens=0, batch=[1], max_length=None,
-                max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll="outside", gc="default")  # fmt: skip
+                max_batch_input_tokens=None, kv_memory_fraction=None, memory_poll="outside", gc="default",
+                worker_env=None)  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
 def test_a_failing_pipeline_is_a_null_row_with_its_reason(tmp_path):
     """What the stock pipeline gets on Hopper: the worker fails (or hangs past its timeout); the row
     keeps our numbers and says why MAX's are missing."""
-    res = e2e.run_worker(_args(), "stock", str(tmp_path / "no-such-model"), None, False, 120, tmp_path)
+    args = _args(worker_env=["GPTOSS_MAX_TEST_WORKER_ENV=a=b", "GPTOSS_MAX_TEST_EMPTY="])
+    res = e2e.run_worker(args, "stock", str(tmp_path / "no-such-model"), None, False, 120, tmp_path)
     assert res["error"].startswith("exit 1: ") and "no-such-model" in res["error"], res["error"]
+    # --worker-env reached the worker, which said what it found before it failed
+    assert res["worker_env"] == {"GPTOSS_MAX_TEST_WORKER_ENV": "a=b", "GPTOSS_MAX_TEST_EMPTY": ""}
     hung = e2e.run_worker(_args(), "stock", "synthetic:tiny", None, False, 0.4, tmp_path)
     assert hung["error"].startswith("timed out after 0 s")
     args = _args(batch=[1, 8], gpu=True, encoding=None)
@@ -331,6 +335,14 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert "| synthetic:tiny | 2 | no |" in proc.stdout
     (logs,) = tmp_path.glob("e2e_logs_cpu_*.tar.gz")  # --keep-logs: one file
     assert logs.stat().st_size > 0
+
+
+def test_worker_env_takes_name_value_pairs_only():
+    parser = e2e.add_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--worker-env", "A_1=x=y", "--worker-env", "B="]).worker_env == ["A_1=x=y", "B="]
+    for bad in ("NOEQUALS", "=v", "1A=v", "A-B=v"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--worker-env", bad])
 
 
 def test_merge_only_folds_device_calls_into_one_file(tmp_path, capsys):

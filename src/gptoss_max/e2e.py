@@ -490,6 +490,8 @@ def worker(args: argparse.Namespace) -> int:
         "graph_capture": args.worker_graph_capture,
         "replay_small_graphs": args.replay_small_graphs if args.worker_graph_capture else "off",
         "isolate_main_thread": args.isolate_main_thread,
+        # what each --worker-env name holds in this process (the parent set them)
+        "worker_env": {name: os.environ.get(name) for name, _ in map(_env_pair, args.worker_env or [])},
         "batches": [],
     }
 
@@ -575,6 +577,19 @@ def worker(args: argparse.Namespace) -> int:
         )
         save()
     return 0
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, _, value = text.partition("=")
+    return name, value
+
+
+def _env_arg(text: str) -> str:
+    """`--worker-env`'s NAME=VALUE, checked."""
+    name, eq, _ = text.partition("=")
+    if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
+    return text
 
 
 def _kv_bytes_per_token(engine: Any) -> float | None:
@@ -691,6 +706,8 @@ def run_worker(
         cmd.append("--worker-graph-capture")
     if getattr(args, "isolate_main_thread", False):
         cmd.append("--isolate-main-thread")
+    for pair in getattr(args, "worker_env", None) or []:
+        cmd += ["--worker-env", pair]
     if getattr(args, "replay_small_graphs", "off") != "off":  # (callers that build their own Namespace)
         cmd += ["--replay-small-graphs", args.replay_small_graphs]
     print(f"--> {tag}: {shlex.join(cmd[1:])}  (log: {log})", flush=True)
@@ -699,6 +716,7 @@ def run_worker(
     with open(log, "w") as fh:
         env = dict(os.environ)  # the package as this process found it (bench/e2e.py runs uninstalled)
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+        env.update(map(_env_pair, getattr(args, "worker_env", None) or []))
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             with _worker_dies_with_us(proc):
@@ -1006,6 +1024,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="before each timed batch, pin the worker's main thread to a CPU of its own (its other threads "
         "moved off that CPU and its hyperthread siblings; gptoss_max.affinity)",
+    )
+    p.add_argument(
+        "--worker-env",
+        action="append",
+        type=_env_arg,
+        metavar="NAME=VALUE",
+        help="set in the workers' environment (repeatable), e.g. MODULAR_USE_LEGACY_KV_CACHE=1; each worker "
+        "records what it found (`worker_env`)",
     )
     p.add_argument(
         "--stock",
