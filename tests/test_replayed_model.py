@@ -105,6 +105,16 @@ def test_check_mode_compares_each_replay_with_an_eager_call():
         assert [c for c, _ in model.model.calls] == ["capture", "replay", "execute", "replay", "execute"]
 
 
+def test_one_off_signatures_are_not_counted_without_bound(monkeypatch):
+    monkeypatch.setattr(maxapi.ReplayedModel, "SEEN_LIMIT", 3)
+    model = maxapi.ReplayedModel(StandIn(), capture_after=2)
+    for k in range(7):
+        model.execute(host([1.0]), host(k, np.int64))
+    assert len(model.seen) == 1 and model.counts == {"replay": 0, "capture": 0, "eager": 7}
+    model.execute(host([1.0]), host(6, np.int64))  # the one still counted: captured on its 2nd call
+    assert model.counts["capture"] == 1 and not model.seen
+
+
 def test_inputs_a_replay_could_not_refresh_keep_the_call_eager():
     model = maxapi.ReplayedModel(StandIn(), capture_after=1)
     model.execute(host(np.zeros(maxapi.ReplayedModel.HOST_KEY_ELEMENTS + 1)), host(1, np.int64))

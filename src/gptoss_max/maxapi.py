@@ -262,6 +262,7 @@ class ReplayedModel:
     scatter, the token's copy to the host) before the next replay of the same graph is queued."""
 
     HOST_KEY_ELEMENTS = 64  # host inputs up to this many elements go into the key by value
+    SEEN_LIMIT = 1024  # signatures counted towards a capture at most
 
     def __init__(
         self, model: Any, *, name: str = "model", capture_after: int = 2, max_graphs: int = 8, check: bool = False
@@ -308,6 +309,8 @@ class ReplayedModel:
         key = self.key(inputs)
         entry = self.graphs.get(key) if key is not None else None
         if entry is None and key is not None and key not in self.refused and len(self.graphs) < self.max_graphs:
+            if len(self.seen) >= self.SEEN_LIMIT and key not in self.seen:
+                self.seen.clear()  # many one-off signatures (e.g. prefill shapes): start counting afresh
             self.seen[key] = self.seen.get(key, 0) + 1
             if self.seen[key] >= self.capture_after:
                 entry = self._capture(key, inputs)
