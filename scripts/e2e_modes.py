@@ -58,9 +58,29 @@ def runs(paths: list[Path]) -> list[dict]:
                             "clocks": [_clocks(gs.get("before")), _clocks(gs.get("after"))],
                             "step_ms": b.get("step_ms") or [],
                             "sync_wait_ms": b.get("sync_wait_ms") or [],
+                            "setup": _setup(res, b),
                         }
                     )
     return rows
+
+
+def _setup(worker: dict, batch: dict) -> str:
+    """What the run changed from the plain one: small graphs replayed (with check mode's
+    mismatches over checked calls), the main thread isolated, worker environment."""
+    parts = []
+    replay = worker.get("replay_small_graphs") or "off"
+    replay = "on" if replay is True else replay  # (a flag before it took check: 2026-11-30's run)
+    if replay != "off":
+        counts = (batch.get("replayed") or {}).values()
+        parts.append(f"replay {replay}")
+        if replay == "check":
+            mism, checked = sum(c.get("mismatch", 0) for c in counts), sum(c.get("checked", 0) for c in counts)
+            parts.append(f"mismatch {mism} of {checked}")
+    iso = batch.get("isolated_main_thread")
+    if iso:
+        parts.append(f"main thread on CPU {iso['cpu']}" if iso.get("isolated") else "isolation refused")
+    parts += [f"{k}={v}" for k, v in (worker.get("worker_env") or {}).items()]
+    return "; ".join(parts) or "-"
 
 
 def stretches(step_ms: list[float], spread: float, window: int = 9) -> tuple[list[bool], list[tuple[int, int, float]]]:
@@ -127,14 +147,15 @@ def label(rows: list[dict], spread: float) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["file", "model", "batch", "gc", "tok/s", "p50 ms", "mode", "quarters ms", "CPU quarters ms", "collections"]
+    cols = ["file", "model", "setup", "batch", "gc", "tok/s", "p50 ms", "mode", "quarters ms", "CPU quarters ms"]
+    cols.append("collections")
     cols += ["slow steps", "stretches (longest ms)", "wait fast / slow ms", "host fast / slow ms"]
     cols.append("clocks before / after")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         share = "-" if r.get("slow_share") is None else f"{100 * r['slow_share']:.0f} %"
         lines.append(
-            f"| {r['file']} | {r['model']} | {r['batch']} | {r['gc_mode']} | {r['tok_s'] or 0:.1f} | "
+            f"| {r['file']} | {r['model']} | {r['setup']} | {r['batch']} | {r['gc_mode']} | {r['tok_s'] or 0:.1f} | "
             f"{r['p50_ms']:.3f} | "
             f"{r['mode']} | {r['quarters_ms'] or '-'} | {r['cpu_quarters_ms'] or '-'} | {r['gc_collections']} | "
             f"{share} | {r.get('stretches', 0)} ({r.get('longest_ms', 0.0):.0f}) | "

@@ -88,3 +88,19 @@ def test_gpu_e2e_modes_sh_cycles_variants_and_passes_common_flags(tmp_path):
         assert ("--replay-small-graphs" in args) == (r == 2)
     assert runs[1][runs[1].index("--replay-small-graphs") + 1] == "on"
     assert "run 2 (--gc default --replay-small-graphs on) rc=0" in proc.stdout
+
+
+def test_setup_names_replay_check_mismatches_isolation_and_worker_env(tmp_path, capsys):
+    batch = {"batch": 1, "decode_tok_s": 600.0, "tpot_p50_ms": 1.6, "gc_collections": [1, 0, 0],
+             "replayed": {"sampler": {"replay": 9, "checked": 9, "mismatch": 1},
+                          "realize_future_token": {"replay": 8, "checked": 8, "mismatch": 0}},
+             "isolated_main_thread": {"isolated": True, "cpu": 15}}  # fmt: skip
+    worker = {"gc": "default", "replay_small_graphs": "check", "worker_env": {"MODULAR_X": "1"}, "batches": [batch]}
+    plain = {"gc": "default", "replay_small_graphs": "off", "batches": [dict(batch, isolated_main_thread=None)]}
+    for name, w in (("e2e_a.json", worker), ("e2e_b.json", plain)):
+        (tmp_path / name).write_text(json.dumps({"runs": {"synthetic:20b default": {"workers": {"ours-graphs": w}}}}))
+    assert modes.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    setup = "replay check; mismatch 1 of 17; main thread on CPU 15; MODULAR_X=1"
+    assert f"| e2e_a.json | synthetic:20b | {setup} | 1 |" in out
+    assert "| e2e_b.json | synthetic:20b | - | 1 |" in out
