@@ -130,7 +130,8 @@ def test_replay_overlap_graphs_wraps_the_pipelines_per_step_graphs_once():
     from max.pipelines.sampling import sampling_logits_processor as slp
 
     source = inspect.getsource(otg.OverlapTextGenerationPipeline)
-    assert "sampler=self._sampler_without_bitmask" in source
+    assert "sampler=self._sampler_without_bitmask" in source and "sampler=self._sampler_with_bitmask" in source
+    assert "self.tensor_bitmask = self._pinned_bitmask.to(self.device)" in inspect.getsource(slp.FusedSamplingProcessor)
     assert "self._realize_future_token_processor.realize_future_tokens(" in source
     assert "self._graph.execute(*tree.leaves(my_inputs))" in inspect.getsource(otg.RealizeFutureTokenProcessor)
     assert "sampler(*graph_inputs)" in inspect.getsource(slp._sample_logits)
@@ -140,11 +141,18 @@ def test_replay_overlap_graphs_wraps_the_pipelines_per_step_graphs_once():
 
     class Pipeline:
         _sampler_without_bitmask = StandIn()
+        _sampler_with_bitmask = None  # structured output off
         _realize_future_token_processor = Realize()
 
     pipeline = Pipeline()
     wrapped = maxapi.replay_overlap_graphs(pipeline)
     assert [w.name for w in wrapped] == ["sampler", "realize_future_token"]
+    with_bitmask = Pipeline()
+    with_bitmask._sampler_with_bitmask = StandIn()
+    with_bitmask._sampler_without_bitmask = StandIn()
+    with_bitmask._realize_future_token_processor = Realize()
+    names = [w.name for w in maxapi.replay_overlap_graphs(with_bitmask)]
+    assert names == ["sampler", "sampler_bitmask", "realize_future_token"]
     assert (
         pipeline._sampler_without_bitmask is wrapped[0]
         and pipeline._realize_future_token_processor._graph is wrapped[1]

@@ -360,14 +360,17 @@ class ReplayedModel:
 
 
 def replay_overlap_graphs(pipeline: Any, **kwargs: Any) -> list[ReplayedModel]:  # kwargs: ReplayedModel's
-    """Wrap the overlap pipeline's eager per-step graphs (MAX 26.7: the sampler without a bitmask,
-    and the future-token scatter) in `ReplayedModel`s; returns them (their `counts` say what ran).
+    """Wrap the overlap pipeline's eager per-step graphs (MAX 26.7: the sampler, the sampler with a
+    token bitmask where structured output is on (its bitmask is a device input, refreshed like the
+    others), and the future-token scatter) in `ReplayedModel`s; returns them (their `counts` say
+    what ran).
     A pipeline without them (not the overlap pipeline) is left as it is."""
     wrapped: list[ReplayedModel] = []
-    sampler = getattr(pipeline, "_sampler_without_bitmask", None)
-    if sampler is not None and not isinstance(sampler, ReplayedModel):
-        pipeline._sampler_without_bitmask = ReplayedModel(sampler, name="sampler", **kwargs)
-        wrapped.append(pipeline._sampler_without_bitmask)
+    for attr, name in (("_sampler_without_bitmask", "sampler"), ("_sampler_with_bitmask", "sampler_bitmask")):
+        sampler = getattr(pipeline, attr, None)  # the second only where structured output is on
+        if sampler is not None and not isinstance(sampler, ReplayedModel):
+            setattr(pipeline, attr, ReplayedModel(sampler, name=name, **kwargs))
+            wrapped.append(getattr(pipeline, attr))
     realize = getattr(pipeline, "_realize_future_token_processor", None)
     graph = getattr(realize, "_graph", None)
     if realize is not None and graph is not None and not isinstance(graph, ReplayedModel):
