@@ -484,11 +484,12 @@ def worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("max.pipelines").setLevel(logging.INFO)  # compile times and the memory plan, in the log
     out = Path(args.worker_out)
+    replay = args.replay_small_graphs if args.worker_graph_capture else "off"  # it wraps the graphs' pipeline
     result: dict[str, Any] = {
         "arch": args.arch,
         "encoding": args.encoding,
         "graph_capture": args.worker_graph_capture,
-        "replay_small_graphs": args.replay_small_graphs if args.worker_graph_capture else "off",
+        "replay_small_graphs": replay,
         "isolate_main_thread": args.isolate_main_thread,
         # what each --worker-env name holds in this process (the parent set them)
         "worker_env": {name: os.environ.get(name) for name, _ in map(_env_pair, args.worker_env or [])},
@@ -515,8 +516,8 @@ def worker(args: argparse.Namespace) -> int:
         kv_memory_fraction=args.kv_memory_fraction,
         encoding=args.encoding,
         graph_capture=args.worker_graph_capture,
-        replay_small_graphs=args.worker_graph_capture and args.replay_small_graphs != "off",
-        replay_check=args.replay_small_graphs == "check",
+        replay_small_graphs=replay != "off",
+        replay_check=replay == "check",
         max_batch_input_tokens=args.max_batch_input_tokens,
         arch_module="gptoss_max.stock" if args.arch == "stock" else "gptoss_max.arch",
     )
@@ -706,7 +707,8 @@ def run_worker(
         cmd.append("--worker-graph-capture")
     if getattr(args, "isolate_main_thread", False):
         cmd.append("--isolate-main-thread")
-    for pair in getattr(args, "worker_env", None) or []:
+    worker_env = getattr(args, "worker_env", None) or []
+    for pair in worker_env:
         cmd += ["--worker-env", pair]
     if getattr(args, "replay_small_graphs", "off") != "off":  # (callers that build their own Namespace)
         cmd += ["--replay-small-graphs", args.replay_small_graphs]
@@ -716,7 +718,7 @@ def run_worker(
     with open(log, "w") as fh:
         env = dict(os.environ)  # the package as this process found it (bench/e2e.py runs uninstalled)
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-        env.update(map(_env_pair, getattr(args, "worker_env", None) or []))
+        env.update(map(_env_pair, worker_env))
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             with _worker_dies_with_us(proc):

@@ -286,6 +286,12 @@ class ReplayedModel:
         bound = self.model.signature.bind(*args, **kwargs)
         return self.execute(*bound.arguments.values())
 
+    @staticmethod
+    def kept(b: Any) -> bool:
+        """Whether an input stays the captured buffer, never refreshed: host-resident or pinned (as
+        MAX's ServeGraphCaptureRunner.replay skips them), so its value belongs in the key."""
+        return b.device.is_host or b.pinned
+
     def key(self, inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The signature of a call, or None where it cannot be replayed."""
         from max.driver import Buffer
@@ -296,7 +302,7 @@ class ReplayedModel:
                 return None
             dev = b.device
             part: tuple[Any, ...] = (tuple(b.shape), str(b.dtype), dev.label, dev.id)
-            if dev.is_host or b.pinned:
+            if self.kept(b):
                 if b.pinned and b.num_elements:
                     return None  # the graph would read it through its pointer: not refreshable
                 if b.num_elements > self.HOST_KEY_ELEMENTS:
@@ -318,8 +324,8 @@ class ReplayedModel:
             self.counts["eager"] += 1
             return self.model.execute(*inputs)
         stable, outputs, graph_key = entry
-        # refresh the device inputs (host ones are in the key, and stay the captured buffers)
-        pairs = [(d, s) for s, d in zip(inputs, stable, strict=True) if d is not s and not d.device.is_host]
+        # refresh the device inputs (kept ones are in the key, and stay the captured buffers)
+        pairs = [(d, s) for s, d in zip(inputs, stable, strict=True) if d is not s and not self.kept(d)]
         if pairs:
             from max.driver import batch_inplace_copy
 
@@ -338,7 +344,7 @@ class ReplayedModel:
 
         stable = []
         for b in inputs:  # filled with this call's values, so whatever capture runs reads real ones
-            if b.device.is_host or b.pinned:
+            if self.kept(b):
                 stable.append(b)
             else:
                 stable.append(Buffer(shape=b.shape, dtype=b.dtype, device=b.device))
