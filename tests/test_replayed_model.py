@@ -96,13 +96,21 @@ def test_past_max_graphs_and_after_a_failed_capture_calls_stay_eager(caplog):
     ) == 1
 
 
-def test_check_mode_compares_each_replay_with_an_eager_call():
+def test_check_mode_compares_each_replay_with_an_eager_call_and_logs_the_first_mismatches(caplog, monkeypatch):
+    monkeypatch.setattr(maxapi.ReplayedModel, "MISMATCHES_LOGGED", 1)
     for off, mismatches in [(0.0, 0), (0.5, 2)]:
-        model = maxapi.ReplayedModel(StandIn(off=off), capture_after=1, check=True)
+        caplog.clear()
+        model = maxapi.ReplayedModel(StandIn(off=off), name="sampler", capture_after=1, check=True)
         for _ in range(2):
             model.execute(host([1.0, 2.0]), host(3, np.int64))
         assert model.counts == {"replay": 2, "capture": 1, "eager": 0, "checked": 2, "mismatch": mismatches}
         assert [c for c, _ in model.model.calls] == ["capture", "replay", "execute", "replay", "execute"]
+        logged = [r.getMessage() for r in caplog.records if "differs from an eager call" in r.getMessage()]
+        if mismatches:  # the first only (MISMATCHES_LOGGED), naming the model, the outputs and both values
+            assert len(logged) == 1 and logged[0].startswith("sampler: replay of graph 1")
+            assert "outputs [0]" in logged[0] and "[[2.5, 3.5], [2.0, 3.0]]" in logged[0]
+        else:
+            assert logged == []
 
 
 def test_one_off_signatures_are_not_counted_without_bound(monkeypatch):
@@ -159,6 +167,25 @@ def test_replay_overlap_graphs_wraps_the_pipelines_per_step_graphs_once():
     )
     assert maxapi.replay_overlap_graphs(pipeline) == []  # already wrapped
     assert maxapi.replay_overlap_graphs(object()) == []  # not the overlap pipeline
+    some = Pipeline()
+    some._sampler_with_bitmask = StandIn()
+    some._realize_future_token_processor = Realize()
+    assert [w.name for w in maxapi.replay_overlap_graphs(some, ["sampler_bitmask"])] == ["sampler_bitmask"]
+    assert isinstance(some._sampler_without_bitmask, StandIn)
+    assert isinstance(some._realize_future_token_processor._graph, StandIn)
+
+
+def test_the_graphs_to_replay_are_a_setting(monkeypatch):
+    from gptoss_max import settings
+
+    monkeypatch.delenv("GPTOSS_MAX_REPLAY_GRAPHS", raising=False)
+    assert settings.replay_graphs() == ("sampler", "sampler_bitmask", "realize_future_token")
+    monkeypatch.setenv("GPTOSS_MAX_REPLAY_GRAPHS", "sampler, realize_future_token")
+    assert settings.replay_graphs() == ("sampler", "realize_future_token")
+    assert "GPTOSS_MAX_REPLAY_GRAPHS=sampler, realize_future_token" in settings.run_setting_env()
+    monkeypatch.setenv("GPTOSS_MAX_REPLAY_GRAPHS", "sampler,scatter")
+    with pytest.raises(ValueError, match=r"names \['scatter'\]; choose from sampler, sampler_bitmask"):
+        settings.replay_graphs()
 
 
 def test_engine_options_need_graph_capture_for_it():
@@ -233,11 +260,17 @@ def test_serve_wraps_the_workers_pipeline_when_asked_and_needs_graph_capture_for
 
     plain = ProbedFactory(Pipeline, tmp_path / "kv.json")()
     assert isinstance(plain._sampler_without_bitmask, StandIn)
-    wrapped = ProbedFactory(Pipeline, tmp_path / "kv.json", replay_small_graphs=True)()
+    wrapped = ProbedFactory(Pipeline, tmp_path / "kv.json", replay_small_graphs="on")()
     assert isinstance(wrapped._sampler_without_bitmask, maxapi.ReplayedModel)
     assert isinstance(wrapped._realize_future_token_processor._graph, maxapi.ReplayedModel)
 
-    args = build_parser().parse_args(["serve", "--model", "synthetic:tiny", "--replay-small-graphs"])
-    assert args.replay_small_graphs and isinstance(args, argparse.Namespace)
+    checked = ProbedFactory(Pipeline, tmp_path / "kv.json", replay_small_graphs="check")()
+    assert checked._sampler_without_bitmask.check and not wrapped._sampler_without_bitmask.check
+
+    serve = ["serve", "--model", "synthetic:tiny", "--graph-capture", "off"]  # off on any machine
+    args = build_parser().parse_args([*serve, "--replay-small-graphs"])
+    assert args.replay_small_graphs == "on" and isinstance(args, argparse.Namespace)
+    assert build_parser().parse_args(serve).replay_small_graphs == "off"
+    assert build_parser().parse_args([*serve, "--replay-small-graphs", "check"]).replay_small_graphs == "check"
     with pytest.raises(ValueError, match="replay_small_graphs needs graph_capture"):
-        pipeline_args(args)  # on this CPU, --graph-capture auto is off
+        pipeline_args(args)

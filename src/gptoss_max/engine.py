@@ -97,7 +97,9 @@ class Engine:
             self.pipeline.warmup_graph_capture()  # captures decode graphs per batch size / cache length
             self.capture_seconds = time.perf_counter() - t0
         self.replayed = (
-            maxapi.replay_overlap_graphs(self.pipeline, check=opts.replay_check) if opts.replay_small_graphs else []
+            maxapi.replay_overlap_graphs(self.pipeline, settings.replay_graphs(), check=opts.replay_check)
+            if opts.replay_small_graphs
+            else []
         )
 
     def generate(

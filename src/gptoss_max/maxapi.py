@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -333,11 +333,30 @@ class ReplayedModel:
         self.model.replay(graph_key, *stable)
         self.counts["replay"] += 1
         if self.check:
-            eager = self.model.execute(*inputs)
-            same = all(np.array_equal(o.to_numpy(), e.to_numpy()) for o, e in zip(outputs, eager, strict=True))
-            self.counts["checked"] += 1
-            self.counts["mismatch"] += not same
+            self._check(inputs, outputs, graph_key)
         return list(outputs)
+
+    MISMATCHES_LOGGED = 5  # check mode: the first mismatches of each model are logged, then only counted
+
+    def _check(self, inputs: tuple[Any, ...], outputs: list[Any], graph_key: int) -> None:
+        """Check mode: run the call eagerly too and count (and log the first few) replays whose
+        outputs differ from the eager ones."""
+        eager = self.model.execute(*inputs)
+        differ = [
+            i
+            for i, (o, e) in enumerate(zip(outputs, eager, strict=True))
+            if not np.array_equal(o.to_numpy(), e.to_numpy())
+        ]
+        self.counts["checked"] += 1
+        self.counts["mismatch"] += bool(differ)
+        if differ and self.counts["mismatch"] <= self.MISMATCHES_LOGGED:
+            shapes = [tuple(b.shape) for b in inputs]
+            first = {i: [b.to_numpy().ravel()[:8].tolist() for b in (outputs[i], eager[i])] for i in differ}
+            _log.warning(
+                "%s: replay of graph %d differs from an eager call in outputs %s (input shapes %s; "
+                "replayed vs eager, first values: %s); counts %s",
+                self.name, graph_key, differ, shapes, first, self.counts,
+            )  # fmt: skip
 
     def _capture(self, key: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[list[Any], list[Any], int] | None:
         from max.driver import Buffer
@@ -365,20 +384,23 @@ class ReplayedModel:
         return self.graphs[key]
 
 
-def replay_overlap_graphs(pipeline: Any, **kwargs: Any) -> list[ReplayedModel]:  # kwargs: ReplayedModel's
+def replay_overlap_graphs(pipeline: Any, names: Sequence[str] | None = None, **kwargs: Any) -> list[ReplayedModel]:
     """Wrap the overlap pipeline's eager per-step graphs (MAX 26.7: the sampler, the sampler with a
     token bitmask where structured output is on (its bitmask is a device input, refreshed like the
     others), and the future-token scatter) in `ReplayedModel`s; returns them (their `counts` say
-    what ran).
-    A pipeline without them (not the overlap pipeline) is left as it is."""
+    what ran). `names` picks some of them (`settings.REPLAYABLE_GRAPHS`; default all); `kwargs` are
+    ReplayedModel's. A pipeline without them (not the overlap pipeline) is left as it is."""
+    from gptoss_max.settings import REPLAYABLE_GRAPHS
+
+    wanted = set(REPLAYABLE_GRAPHS if names is None else names)
     wrapped: list[ReplayedModel] = []
     for attr, name in (("_sampler_without_bitmask", "sampler"), ("_sampler_with_bitmask", "sampler_bitmask")):
         sampler = getattr(pipeline, attr, None)  # the second only where structured output is on
-        if sampler is not None and not isinstance(sampler, ReplayedModel):
+        if name in wanted and sampler is not None and not isinstance(sampler, ReplayedModel):
             setattr(pipeline, attr, ReplayedModel(sampler, name=name, **kwargs))
             wrapped.append(getattr(pipeline, attr))
     realize = getattr(pipeline, "_realize_future_token_processor", None)
-    graph = getattr(realize, "_graph", None)
+    graph = getattr(realize, "_graph", None) if "realize_future_token" in wanted else None
     if realize is not None and graph is not None and not isinstance(graph, ReplayedModel):
         realize._graph = ReplayedModel(graph, name="realize_future_token", **kwargs)
         wrapped.append(realize._graph)

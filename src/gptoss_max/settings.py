@@ -196,6 +196,24 @@ def tap_weights() -> bool:
     return tap_mode() == "weights"
 
 
+REPLAYABLE_GRAPHS = ("sampler", "sampler_bitmask", "realize_future_token")
+
+
+def replay_graphs() -> tuple[str, ...]:
+    """`GPTOSS_MAX_REPLAY_GRAPHS`: which of the overlap pipeline's small per-step graphs
+    `--replay-small-graphs` replays, comma-separated from `sampler`, `sampler_bitmask` (the sampler
+    with a token bitmask, under structured output) and `realize_future_token` (the scatter of the
+    previous step's token); all of them when unset. A way to find which one misbehaves."""
+    raw = os.environ.get("GPTOSS_MAX_REPLAY_GRAPHS", "").strip()
+    if not raw:
+        return REPLAYABLE_GRAPHS
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    unknown = [n for n in names if n not in REPLAYABLE_GRAPHS]
+    if unknown:
+        raise ValueError(f"GPTOSS_MAX_REPLAY_GRAPHS names {unknown}; choose from {', '.join(REPLAYABLE_GRAPHS)}")
+    return names
+
+
 # The settings above that change what the model computes or how fast (data paths and keys do not).
 RUN_SETTINGS = (
     "GPTOSS_MAX_ATTENTION",
@@ -203,6 +221,7 @@ RUN_SETTINGS = (
     "GPTOSS_MAX_DETERMINISTIC",
     "GPTOSS_MAX_MOE_PATH",
     "GPTOSS_MAX_QKV_HEAD",
+    "GPTOSS_MAX_REPLAY_GRAPHS",
     "GPTOSS_MAX_ROPE",
     "GPTOSS_MAX_ROUTER",
     "GPTOSS_MAX_TOPK",

@@ -48,11 +48,12 @@ def _publish(kv_manager: Any, path: Path, interval: float) -> None:
 
 class ProbedFactory:
     """MAX's pipeline factory, plus the publishing thread once the pipeline exists (in the worker);
-    with `replay_small_graphs`, the overlap pipeline's sampler and token scatter wrapped to replay
-    device graphs (`maxapi.replay_overlap_graphs`)."""
+    with `replay_small_graphs` on or check, the overlap pipeline's sampler and token scatter
+    wrapped to replay device graphs (`maxapi.replay_overlap_graphs`; check: each replay also
+    compared with an eager call)."""
 
     def __init__(
-        self, factory: Callable[[], Any], path: Path | str, interval: float = 0.2, replay_small_graphs: bool = False
+        self, factory: Callable[[], Any], path: Path | str, interval: float = 0.2, replay_small_graphs: str = "off"
     ):
         self.factory = factory
         self.path = str(path)
@@ -61,11 +62,16 @@ class ProbedFactory:
 
     def __call__(self) -> Any:
         pipeline = self.factory()
-        if self.replay_small_graphs:
-            from gptoss_max import maxapi
+        if self.replay_small_graphs != "off":
+            from gptoss_max import maxapi, settings
 
-            wrapped = maxapi.replay_overlap_graphs(pipeline)
-            logger.info("replaying device graphs for: %s", ", ".join(w.name for w in wrapped) or "nothing")
+            check = self.replay_small_graphs == "check"
+            wrapped = maxapi.replay_overlap_graphs(pipeline, settings.replay_graphs(), check=check)
+            logger.info(
+                "replaying device graphs for: %s%s",
+                ", ".join(w.name for w in wrapped) or "nothing",
+                " (each checked against an eager call)" if check else "",
+            )
         kv_manager = getattr(pipeline, "kv_manager", None)
         if kv_manager is None:
             logger.warning("KV probe: the pipeline has no KV manager; no gptoss_kv_* figures")
