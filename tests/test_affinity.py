@@ -43,7 +43,8 @@ def test_isolating_pins_the_caller_and_moves_the_other_threads_off_its_core():
     shared = affinity.siblings(cpu)
     if allowed - shared:
         assert got["done"] == {"isolated": True, "cpu": cpu, "siblings": sorted(shared),
-                               "others": len(allowed - shared), "threads_moved": 1}  # fmt: skip
+                               "others": len(allowed - shared), "other_cpus": sorted(allowed - shared),
+                               "threads_moved": 1}  # fmt: skip
         assert got["main"] == [cpu] and got["other"] == sorted(allowed - shared)
     else:  # every allowed CPU shares the core: nothing to spare, nothing moved
         assert got["done"]["isolated"] is False and "no allowed CPU outside" in got["done"]["reason"]
@@ -73,3 +74,42 @@ def test_busiest_threads_names_the_thread_that_spun():
     t.join()
     assert top[0][1] == t.native_id and 0.25 <= top[0][2] < 5
     assert len(top) == 2 and top[1][2] <= top[0][2]
+
+
+def test_threads_started_after_isolation_are_moved_off_and_serve_isolates_its_worker_thread(tmp_path):
+    # in a child process, as above: `serve --isolate-scheduler-thread`'s factory isolates the thread
+    # that builds the pipeline, and a thread it starts afterwards (inheriting the pinned CPU) is
+    # moved off by the keeper
+    script = textwrap.dedent(
+        f"""
+        import json, os, threading, time
+        from gptoss_max import affinity
+        from gptoss_max.server.kv_probe import ProbedFactory
+
+        class Pipeline:
+            kv_manager = None
+
+        affinity.keep_isolating.__defaults__ = (0.05,)  # the keeper's interval, for the test
+        ProbedFactory(Pipeline, {str(tmp_path / "kv.json")!r}, isolate=True)()
+        pinned = sorted(os.sched_getaffinity(0))
+        go = threading.Event()
+        late = threading.Thread(target=go.wait)
+        late.start()
+        inherited = sorted(os.sched_getaffinity(late.native_id))
+        time.sleep(0.5)
+        now = sorted(os.sched_getaffinity(late.native_id))
+        keeper = [t.name for t in threading.enumerate() if t.name == "gptoss-isolation"]
+        print(json.dumps({{"main": pinned, "late_at_start": inherited, "late": now, "keeper": keeper}}))
+        go.set()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=os.environ)
+    got = json.loads(out.stdout)
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed)
+    if allowed - affinity.siblings(cpu):
+        assert got["main"] == got["late_at_start"] == [cpu]  # a thread inherits its creator's set
+        assert got["late"] == sorted(allowed - affinity.siblings(cpu)) and got["keeper"] == ["gptoss-isolation"]
+    else:  # nothing to spare: nothing pinned, no keeper
+        assert got["main"] == got["late"] == sorted(allowed) and got["keeper"] == []
+    assert affinity.keep_isolating({"isolated": False, "reason": "none"}, 1) is None

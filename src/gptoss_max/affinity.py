@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ def thread_ids() -> list[int]:
 def isolate_main_thread(cpu: int | None = None) -> dict[str, Any]:
     """Pin the calling thread to `cpu` (default: the highest this process may use), and every other
     thread of the process to the allowed CPUs outside `cpu`'s sibling set. Threads started later
-    inherit their creator's set: call again after start-up work that starts threads.
+    inherit their creator's set: call again after start-up work that starts threads, or keep
+    `keep_isolating` running.
 
     Returns what was done (`isolated` False, with `reason`, where there is no CPU to spare)."""
     allowed = os.sched_getaffinity(0)
@@ -49,17 +51,45 @@ def isolate_main_thread(cpu: int | None = None) -> dict[str, Any]:
     if not others:
         return {"isolated": False, "reason": f"no allowed CPU outside {sorted(shared)}"}
     me = threading.get_native_id()
+    moved = keep_isolated(me, shared, others)
+    os.sched_setaffinity(0, {cpu})
+    return {"isolated": True, "cpu": cpu, "siblings": sorted(shared), "others": len(others),
+            "other_cpus": sorted(others), "threads_moved": moved}  # fmt: skip
+
+
+def keep_isolated(tid: int, shared: set[int], others: set[int]) -> int:
+    """Move every thread of this process but `tid` that may run on a CPU of `shared` to `others`
+    (e.g. threads started after `isolate_main_thread`, which inherit the pinned thread's CPU);
+    returns how many were moved."""
     moved = 0
-    for tid in thread_ids():
-        if tid == me:
+    for t in thread_ids():
+        if t == tid:
             continue
         try:
-            os.sched_setaffinity(tid, others)
-            moved += 1
+            if os.sched_getaffinity(t) & shared:
+                os.sched_setaffinity(t, others)
+                moved += 1
         except OSError:  # a thread that ended meanwhile
             pass
-    os.sched_setaffinity(0, {cpu})
-    return {"isolated": True, "cpu": cpu, "siblings": sorted(shared), "others": len(others), "threads_moved": moved}
+    return moved
+
+
+def keep_isolating(state: dict[str, Any], tid: int, interval: float = 1.0) -> threading.Thread | None:
+    """After `isolate_main_thread` returned `state` in thread `tid`: a daemon thread that runs
+    `keep_isolated` every `interval` s, so threads the process starts later (a pool's workers, a
+    grammar compiler's) leave the isolated core too. None where nothing was isolated."""
+    if not state.get("isolated"):
+        return None
+    shared, others = set(state["siblings"]), set(state["other_cpus"])
+
+    def run() -> None:
+        while True:
+            keep_isolated(tid, shared, others)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=run, name="gptoss-isolation", daemon=True)
+    thread.start()
+    return thread
 
 
 def thread_cpu_seconds() -> dict[int, tuple[str, float]]:

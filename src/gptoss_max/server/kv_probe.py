@@ -50,15 +50,22 @@ class ProbedFactory:
     """MAX's pipeline factory, plus the publishing thread once the pipeline exists (in the worker);
     with `replay_small_graphs` on or check, the overlap pipeline's sampler and token scatter
     wrapped to replay device graphs (`maxapi.replay_overlap_graphs`; check: each replay also
-    compared with an eager call)."""
+    compared with an eager call); with `isolate`, the thread that builds the pipeline (the worker's
+    scheduler thread, which runs every step) on a CPU core of its own (`affinity`)."""
 
     def __init__(
-        self, factory: Callable[[], Any], path: Path | str, interval: float = 0.2, replay_small_graphs: str = "off"
+        self,
+        factory: Callable[[], Any],
+        path: Path | str,
+        interval: float = 0.2,
+        replay_small_graphs: str = "off",
+        isolate: bool = False,
     ):
         self.factory = factory
         self.path = str(path)
         self.interval = interval
         self.replay_small_graphs = replay_small_graphs
+        self.isolate = isolate
 
     def __call__(self) -> Any:
         pipeline = self.factory()
@@ -72,6 +79,12 @@ class ProbedFactory:
                 ", ".join(w.name for w in wrapped) or "nothing",
                 " (each checked against an eager call)" if check else "",
             )
+        if self.isolate:
+            from gptoss_max import affinity
+
+            state = affinity.isolate_main_thread()
+            affinity.keep_isolating(state, threading.get_native_id())
+            logger.info("scheduler thread isolated: %s", state)
         kv_manager = getattr(pipeline, "kv_manager", None)
         if kv_manager is None:
             logger.warning("KV probe: the pipeline has no KV manager; no gptoss_kv_* figures")
