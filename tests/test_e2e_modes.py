@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 from script_loader import load_script
 
@@ -104,3 +105,46 @@ def test_setup_names_replay_check_mismatches_isolation_and_worker_env(tmp_path, 
     setup = "replay check; mismatch 1 of 17; main thread on CPU 15; MODULAR_X=1"
     assert f"| e2e_a.json | synthetic:20b | {setup} | 1 |" in out
     assert "| e2e_b.json | synthetic:20b | - | 1 |" in out
+
+
+def test_gpu_replay_diag_sh_runs_the_server_suite_per_case_and_keeps_the_notes(tmp_path):
+    """scripts/gpu_replay_diag.sh with a stand-in python3 (a pytest that writes a server log with
+    device asserts): each case runs the suite with its replay mode and graphs, and keeps the
+    summary and the log's notes with the asserts counted."""
+    import os
+    import stat
+    import subprocess
+
+    from script_loader import ROOT
+
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        while [ $# -gt 0 ]; do [ "$1" = --basetemp ] && base=$2; shift; done
+        echo "graphs=${{GPTOSS_MAX_REPLAY_GRAPHS:-all}} args=$GPTOSS_MAX_TEST_SERVE_ARGS" >> {tmp_path / "calls"}
+        mkdir -p "$base/e2e0"
+        printf 'ready\\nAt: gather_scatter.mojo:729: Assert Error: Gather index out of bounds.\\n%.0s' 1 2 \\
+          > "$base/e2e0/server.log"
+        echo "sampler: replay of graph 1 differs from an eager call" >> "$base/e2e0/server.log"
+        echo "=== short test summary info ==="; echo "FAILED test_server_e2e.py::test_x"; echo "1 failed, 30 passed"
+        """))  # fmt: skip
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_replay_diag.sh"), str(out), "1000"],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "calls").read_text().splitlines() == [
+        "graphs=all args=--graph-capture --replay-small-graphs check",
+        "graphs=sampler,sampler_bitmask args=--graph-capture --replay-small-graphs on",
+        "graphs=realize_future_token args=--graph-capture --replay-small-graphs on",
+    ]
+    names = ["check_all", "on_sampler+sampler_bitmask", "on_realize_future_token"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"suite_{n}.log" for n in names] + [f"server_{n}.txt" for n in names]
+    )
+    notes = (out / "server_check_all.txt").read_text()
+    assert "device asserts: 2" in notes and notes.count("differs from an eager call") == 2  # the notes, the tail
+    assert "Gather index" not in notes and "1 failed, 30 passed" in (out / "suite_check_all.log").read_text()
+    assert "check:all: rc=0" in proc.stdout

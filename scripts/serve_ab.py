@@ -1,0 +1,169 @@
+"""Serve flags A/B: the live server's decode speed with one set of `serve` flags against another.
+
+`bench/e2e.py` times the engine in a worker of its own; this times `gptoss-max serve` itself (MAX's
+model worker process, its scheduler, our API process), through its decode probe (`GET /bench`,
+`--enable-bench`). Each variant is a string of extra `serve` flags ("" for none). Variants run in
+turn, round after round: per round each variant's server starts, answers `--repeats` probes of `--n`
+concurrent requests decoding exactly `--tokens` tokens, and stops. So variants alternate, and a slow
+stretch of the host lands on either. A start that would run past `--deadline` is skipped, and says so.
+
+    export PYTHONPATH=<staged MAX site>:$PWD/src PYTHONUNBUFFERED=1 GPTOSS_MAX_CACHE=<tokenizer cache>
+    python3 scripts/serve_ab.py --out $OUT --rounds 2 -- "" "--isolate-scheduler-thread"    # synthetic 20b, GPU
+    python3 scripts/serve_ab.py --out DIR --model synthetic:tiny --devices cpu --tokens 8 -- "" "--graph-capture off"
+
+(`--` ends the script's own options, so the variants may start with `--`.)
+
+Writes `<out>/serve_ab_<gpu|cpu>_<yyyymmdd>.json` (every probe's answer, each server's start-up
+time, its log's warnings and notes, and its log's tail) and prints a table: per variant, the median
+of its probes' `decode_tok_per_s_per_seq`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+SERVE = [sys.executable, "-m", "gptoss_max.cli", "serve"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def get_json(url: str, timeout: float) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+    except (OSError, ValueError) as err:
+        return 0, str(err)
+
+
+NOTE_MARKS = ("ERROR", "WARNING", "scheduler thread isolated", "replaying device graphs")
+
+
+def tail(path: Path, n: int = 40) -> list[str]:
+    return path.read_text(errors="replace").splitlines()[-n:] if path.exists() else []
+
+
+def notes(path: Path, n: int = 40) -> list[str]:
+    """The log's first `n` lines that say something about the run (warnings, errors, what our flags did)."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [line for line in lines if any(m in line for m in NOTE_MARKS)][:n]
+
+
+def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float) -> dict[str, Any]:
+    """Start one server with `flags`, probe it, stop it; what it answered."""
+    port = free_port()
+    store = log.with_suffix(".sqlite3")  # its own response store, not the data dir's
+    cmd = [*SERVE, "--model", args.model, "--devices", args.devices, "--port", str(port), "--enable-bench",
+           "--store", str(store), "--max-batch-size", str(args.max_batch_size), "--max-length", str(args.max_length),
+           *shlex.split(flags)]  # fmt: skip
+    row: dict[str, Any] = {"flags": flags, "command": " ".join(cmd[2:]), "probes": []}
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        while get_json(f"{base}/health", 2)[0] != 200:
+            if proc.poll() is not None:
+                row["error"] = f"server exited ({proc.returncode}) before it was ready"
+                return row
+            if time.monotonic() > deadline:
+                row["error"] = "not ready before the deadline"
+                return row
+            time.sleep(1)
+        row["ready_s"] = round(time.monotonic() - t0, 1)
+        query = f"{base}/bench?n={args.n}&max_new_tokens={args.tokens}"
+        for _ in range(args.repeats):
+            status, body = get_json(query, max(10.0, deadline - time.monotonic()))
+            row["probes"].append(body if status == 200 else {"status": status, "error": body})
+            if status != 200:
+                break
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        row["log_notes"], row["log_tail"] = notes(log), tail(log)
+    return row
+
+
+def summarize(rows: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
+    table = []
+    for flags in variants:
+        speeds = [p["decode_tok_per_s_per_seq"] for r in rows if r["flags"] == flags for p in r["probes"]
+                  if isinstance(p, dict) and p.get("decode_tok_per_s_per_seq")]  # fmt: skip
+        table.append({"flags": flags or "(none)", "probes": len(speeds),
+                      "median_decode_tok_s_per_seq": round(statistics.median(speeds), 2) if speeds else None,
+                      "all": speeds})  # fmt: skip
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("variants", nargs="+", metavar="FLAGS", help='extra serve flags per variant ("" for none), after --')
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="synthetic:20b")
+    p.add_argument("--devices", default="gpu")
+    p.add_argument("--rounds", type=int, default=1, help="times each variant's server starts (variants alternate)")
+    p.add_argument("--repeats", type=int, default=3, help="probes per server start")
+    p.add_argument("--n", type=int, default=1, help="concurrent requests per probe")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens each request decodes (EOS ignored)")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--deadline", type=float, default=560, help="seconds for the whole run")
+    p.add_argument("--start-s", type=float, default=120, help="a start is skipped with less than this left")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.deadline
+    from gptoss_max.e2e import gpu_name
+
+    device = gpu_name() if args.devices != "cpu" else None
+    tag = (device or "cpu").lower().replace("nvidia ", "").replace(" ", "_")
+    command = "scripts/serve_ab.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    result: dict[str, Any] = {"device": device or "cpu", "date": datetime.date.today().isoformat(),
+                              "command": command, "rows": []}  # fmt: skip
+    path = args.out / f"serve_ab_{tag}_{datetime.date.today():%Y%m%d}.json"
+    logs = Path(tempfile.mkdtemp(prefix="serve_ab_"))
+    for r in range(args.rounds):
+        for i, flags in enumerate(args.variants):
+            left = deadline - time.monotonic()
+            if left < args.start_s:
+                print(f"round {r + 1}, variant {flags!r}: {left:.0f} s left, skipped", flush=True)
+                continue
+            row = run_variant(args, flags, logs / f"server_{r}_{i}.log", deadline)
+            row["round"] = r + 1
+            result["rows"].append(row)
+            speeds = [q.get("decode_tok_per_s_per_seq") for q in row["probes"] if isinstance(q, dict)]
+            print(f"round {r + 1}, variant {flags or '(none)'!r}: ready {row.get('ready_s')} s, "
+                  f"decode tok/s per seq {speeds} {row.get('error', '')}", flush=True)  # fmt: skip
+            result["summary"] = summarize(result["rows"], args.variants)
+            path.write_text(json.dumps(result, indent=1))
+    print("| flags | probes | median decode tok/s per seq | all |\n|---|---|---|---|")
+    for s in result.get("summary", []):
+        print(f"| {s['flags']} | {s['probes']} | {s['median_decode_tok_s_per_seq']} | {s['all']} |")
+    print(f"wrote {path}")
+    ok = result["rows"] and all("error" not in r and r["probes"] for r in result["rows"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
