@@ -108,7 +108,9 @@ def test_threads_started_after_isolation_are_moved_off_and_serve_isolates_its_wo
     allowed = os.sched_getaffinity(0)
     cpu = max(allowed)
     if allowed - affinity.siblings(cpu):
-        assert got["main"] == got["late_at_start"] == [cpu]  # a thread inherits its creator's set
+        assert got["main"] == [cpu]
+        # a thread inherits its creator's set, until the keeper's next pass (which may come first)
+        assert got["late_at_start"] in ([cpu], sorted(allowed - affinity.siblings(cpu)))
         assert got["late"] == sorted(allowed - affinity.siblings(cpu)) and got["keeper"] == ["gptoss-isolation"]
     else:  # nothing to spare: nothing pinned, no keeper
         assert got["main"] == got["late"] == sorted(allowed) and got["keeper"] == []
