@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 SERVE = [sys.executable, "-m", "gptoss_max.cli", "serve"]
+clock = time.monotonic  # (a test's stand-in clock replaces it)
 
 
 def free_port() -> int:
@@ -76,7 +77,7 @@ def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float
            *shlex.split(flags)]  # fmt: skip
     row: dict[str, Any] = {"flags": flags, "command": " ".join(cmd[2:]), "probes": []}
     base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
+    t0 = clock()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -84,14 +85,14 @@ def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float
             if proc.poll() is not None:
                 row["error"] = f"server exited ({proc.returncode}) before it was ready"
                 return row
-            if time.monotonic() > deadline:
+            if clock() > deadline:
                 row["error"] = "not ready before the deadline"
                 return row
             time.sleep(1)
-        row["ready_s"] = round(time.monotonic() - t0, 1)
+        row["ready_s"] = round(clock() - t0, 1)
         query = f"{base}/bench?n={args.n}&max_new_tokens={args.tokens}"
         for _ in range(args.repeats):
-            status, body = get_json(query, max(10.0, deadline - time.monotonic()))
+            status, body = get_json(query, max(10.0, deadline - clock()))
             row["probes"].append(body if status == 200 else {"status": status, "error": body})
             if status != 200:
                 break
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-s", type=float, default=120, help="a start is skipped with less than this left")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.deadline
+    deadline = clock() + args.deadline
     from gptoss_max.e2e import gpu_name
 
     device = gpu_name() if args.devices != "cpu" else None
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="serve_ab_"))
     for r in range(args.rounds):
         for i, flags in enumerate(args.variants):
-            left = deadline - time.monotonic()
+            left = deadline - clock()
             if left < args.start_s:
                 print(f"round {r + 1}, variant {flags!r}: {left:.0f} s left, skipped", flush=True)
                 continue

@@ -1,6 +1,7 @@
-"""scripts/serve_ab.py on the CPU: two variants of `serve` flags, each server started, probed
-through GET /bench and stopped, every answer in the JSON (the script is for the GPU, where a
-failed run costs device time)."""
+"""scripts/serve_ab.py: on the CPU, one real server (the tiny model) started, probed through
+GET /bench and stopped, with a flag that must reach its worker (the script is for the GPU, where a
+failed run costs device time); and, with the servers stood in for, the variants alternating round
+by round, the deadline's skips and the summary."""
 
 from __future__ import annotations
 
@@ -8,28 +9,52 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_loader import ROOT, load_script
 
 
 @pytest.mark.slow
-def test_two_variants_each_start_answer_their_probes_and_stop(tmp_path):
+def test_a_server_starts_answers_its_probes_and_stops_with_its_flags_in_the_worker(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "serve_ab.py"), "--out", str(tmp_path), "--model", "synthetic:tiny",
            "--devices", "cpu", "--tokens", "4", "--repeats", "2", "--max-batch-size", "1", "--max-length", "2048",
-           "--deadline", "900", "--start-s", "10", "--", "", "--isolate-scheduler-thread"]  # fmt: skip
+           "--deadline", "900", "--start-s", "10", "--", "--isolate-scheduler-thread"]  # fmt: skip
     env = {**os.environ, "GPTOSS_MAX_DATA": str(tmp_path / "data")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1000, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     (path,) = tmp_path.glob("serve_ab_cpu_*.json")
     result = json.loads(path.read_text())
-    assert result["device"] == "cpu" and [r["flags"] for r in result["rows"]] == ["", "--isolate-scheduler-thread"]
-    for row in result["rows"]:
-        assert row["ready_s"] > 0 and len(row["probes"]) == 2
-        assert all(p["n"] == 1 and p["output_tokens"] == 4 and p["decode_tok_per_s_per_seq"] > 0 for p in row["probes"])
-    notes = ["\n".join(row["log_notes"]) for row in result["rows"]]  # the flag reached the worker
-    assert "scheduler thread isolated" not in notes[0] and "scheduler thread isolated" in notes[1]
-    assert [s["probes"] for s in result["summary"]] == [2, 2]
-    assert result["summary"][0]["flags"] == "(none)" and "| --isolate-scheduler-thread | 2 |" in out.stdout
+    (row,) = result["rows"]
+    assert result["device"] == "cpu" and row["flags"] == "--isolate-scheduler-thread" and row["ready_s"] > 0
+    assert "--store" in row["command"]  # its own response store, not the data dir's
+    assert len(row["probes"]) == 2
+    assert all(p["n"] == 1 and p["output_tokens"] == 4 and p["decode_tok_per_s_per_seq"] > 0 for p in row["probes"])
+    assert any("scheduler thread isolated" in line for line in row["log_notes"])  # the flag reached the worker
+    assert result["summary"][0]["probes"] == 2 and "| --isolate-scheduler-thread | 2 |" in out.stdout
+
+
+def test_variants_alternate_round_by_round_and_a_late_start_is_skipped(tmp_path, monkeypatch, capsys):
+    ab = load_script("scripts/serve_ab.py", "serve_ab_script")
+    clock = [0.0]
+    started = []
+
+    def run_variant(args, flags, log, deadline):
+        started.append(flags)
+        clock[0] += 100  # each server's start and probes
+        speed = {"": 500.0, "--x": 550.0}[flags]
+        return {"flags": flags, "probes": [{"decode_tok_per_s_per_seq": speed + len(started)}], "ready_s": 1.0}
+
+    monkeypatch.setattr(ab, "run_variant", run_variant)
+    monkeypatch.setattr(ab, "clock", lambda: clock[0])
+    code = ab.main(["--out", str(tmp_path), "--devices", "cpu", "--rounds", "3", "--deadline", "450",
+                    "--start-s", "100", "--", "", "--x"])  # fmt: skip
+    assert code == 0 and started == ["", "--x", "", "--x"]  # the 5th start would leave less than --start-s
+    result = json.loads(next(tmp_path.glob("serve_ab_cpu_*.json")).read_text())
+    assert [r["round"] for r in result["rows"]] == [1, 1, 2, 2]
+    assert result["summary"] == [
+        {"flags": "(none)", "probes": 2, "median_decode_tok_s_per_seq": 502.0, "all": [501.0, 503.0]},
+        {"flags": "--x", "probes": 2, "median_decode_tok_s_per_seq": 553.0, "all": [552.0, 554.0]},
+    ]
+    printed = capsys.readouterr().out
+    assert "round 3, variant '': 50 s left, skipped" in printed and "| --x | 2 | 553.0 |" in printed
