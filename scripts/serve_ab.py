@@ -58,14 +58,11 @@ def get_json(url: str, timeout: float) -> tuple[int, Any]:
 NOTE_MARKS = ("ERROR", "WARNING", "scheduler thread isolated", "replaying device graphs")
 
 
-def tail(path: Path, n: int = 40) -> list[str]:
-    return path.read_text(errors="replace").splitlines()[-n:] if path.exists() else []
-
-
-def notes(path: Path, n: int = 40) -> list[str]:
-    """The log's first `n` lines that say something about the run (warnings, errors, what our flags did)."""
+def notes_and_tail(path: Path, n: int = 40) -> tuple[list[str], list[str]]:
+    """The log's first `n` lines that say something about the run (warnings, errors, what our flags
+    did), and its last `n` lines."""
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return [line for line in lines if any(m in line for m in NOTE_MARKS)][:n]
+    return [line for line in lines if any(m in line for m in NOTE_MARKS)][:n], lines[-n:]
 
 
 def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float) -> dict[str, Any]:
@@ -103,7 +100,7 @@ def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        row["log_notes"], row["log_tail"] = notes(log), tail(log)
+        row["log_notes"], row["log_tail"] = notes_and_tail(log)
     return row
 
 

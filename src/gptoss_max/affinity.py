@@ -36,10 +36,11 @@ def thread_ids() -> list[int]:
 
 
 def isolate_main_thread(cpu: int | None = None) -> dict[str, Any]:
-    """Pin the calling thread to `cpu` (default: the highest this process may use), and every other
-    thread of the process to the allowed CPUs outside `cpu`'s sibling set. Threads started later
-    inherit their creator's set: call again after start-up work that starts threads, or keep
-    `keep_isolating` running.
+    """Pin the calling thread to `cpu` (default: the highest this process may use), and move every
+    other thread of the process that may run on `cpu` or its siblings to the allowed CPUs outside
+    that sibling set (`keep_isolated`; threads already kept off it stay as they are). Threads
+    started later inherit their creator's set: call again after start-up work that starts threads,
+    or keep `keep_isolating` running.
 
     Returns what was done (`isolated` False, with `reason`, where there is no CPU to spare)."""
     allowed = os.sched_getaffinity(0)

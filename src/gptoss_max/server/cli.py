@@ -116,9 +116,8 @@ def pipeline_args(args: argparse.Namespace) -> Any:
     if args.max_batch_size:
         opts["max_batch_size"] = args.max_batch_size
     opts["graph_capture"] = graph_capture_wanted(getattr(args, "graph_capture", "auto"), on_gpu)
-    replay = getattr(args, "replay_small_graphs", "off")
-    opts["replay_small_graphs"] = replay != "off"  # refused without graph capture
-    opts["replay_check"] = replay == "check"
+    # refused without graph capture (the worker's ProbedFactory does the wrapping, check mode included)
+    opts["replay_small_graphs"] = getattr(args, "replay_small_graphs", "off") != "off"
     update: dict[str, Any] = {"task": PipelineTask.TEXT_GENERATION}
     if args.served_model_name:
         update["served_model_name"] = args.served_model_name
