@@ -8,7 +8,7 @@
 #   on:realize_future_token            the scatter only.
 # and keeps, per case, the suite's summary and the server log's notes (device asserts counted).
 # Usage: scripts/gpu_replay_diag.sh OUT_DIR [BUDGET_S (560)]; CASES="MODE:GRAPHS ..." (GRAPHS: all or
-# GPTOSS_MAX_REPLAY_GRAPHS's names) in the environment replaces the three above. After staging MAX
+# GPTOSS_MAX_REPLAY_GRAPHS's values) in the environment replaces the three above. After staging MAX
 # (docs/GPU.md); a cold first case takes ~230 s, later ones ~90-120 s.
 set -u
 out=${1:?usage: scripts/gpu_replay_diag.sh OUT_DIR [BUDGET_S]}
@@ -25,16 +25,14 @@ for c in "${cases[@]}"; do
   if [ "$left" -lt 100 ]; then echo "$c: ${left} s left, stopping"; break; fi
   name="${mode}_${graphs//,/+}"
   tmp=$(mktemp -d)
-  pick=()
-  [ "$graphs" != all ] && pick=("GPTOSS_MAX_REPLAY_GRAPHS=$graphs")
-  (cd tests && env ${pick[@]+"${pick[@]}"} GPTOSS_MAX_TEST_SERVE_MODEL=synthetic:20b GPTOSS_MAX_TEST_SERVE_DEVICES=gpu \
+  (cd tests && env GPTOSS_MAX_REPLAY_GRAPHS="$graphs" GPTOSS_MAX_TEST_SERVE_MODEL=synthetic:20b GPTOSS_MAX_TEST_SERVE_DEVICES=gpu \
     GPTOSS_MAX_TEST_SERVE_ARGS="--graph-capture --replay-small-graphs $mode" timeout "$left" \
-    python3 -m pytest -q -p no:cacheprovider --basetemp "$tmp" test_server_e2e.py > "$tmp/suite.log" 2>&1)
+    python3 -m pytest -q -p no:cacheprovider --basetemp "$tmp/bt" test_server_e2e.py > "$tmp/suite.log" 2>&1)
   echo "$c: rc=$? at $(( $(date +%s) - t0 )) s"
   sed -n '/short test summary info/,$p' "$tmp/suite.log" > "$out/suite_$name.log"
   [ -s "$out/suite_$name.log" ] || tail -n 60 "$tmp/suite.log" > "$out/suite_$name.log"
   tail -n 30 "$out/suite_$name.log"
-  log="$tmp/e2e0/server.log"
+  log="$tmp/bt/e2e0/server.log"  # pytest empties its basetemp, so the suite log sits beside it
   {
     echo "# $c: the server's log, device asserts counted, not repeated"
     asserts=$(grep -c 'index out of bounds' "$log" 2>/dev/null)

@@ -87,12 +87,13 @@ def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float
                 return row
             time.sleep(1)
         row["ready_s"] = round(clock() - t0, 1)
-        query = f"{base}/bench?n={args.n}&max_new_tokens={args.tokens}"
-        for _ in range(args.repeats):
-            status, body = get_json(query, max(10.0, deadline - clock()))
-            row["probes"].append(body if status == 200 else {"status": status, "error": body})
-            if status != 200:
-                break
+        for temperature in args.temperatures:
+            query = f"{base}/bench?n={args.n}&max_new_tokens={args.tokens}&temperature={temperature}"
+            for _ in range(args.repeats):
+                status, body = get_json(query, max(10.0, deadline - clock()))
+                row["probes"].append(body if status == 200 else {"status": status, "error": body})
+                if status != 200:
+                    return row
     finally:
         proc.terminate()
         try:
@@ -104,15 +105,25 @@ def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float
     return row
 
 
-def summarize(rows: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
+def summarize(rows: list[dict[str, Any]], variants: list[str], temperatures: list[float]) -> list[dict[str, Any]]:
+    """Per variant and sampling temperature, the probes' decode speeds and their median."""
     table = []
     for flags in variants:
-        speeds = [p["decode_tok_per_s_per_seq"] for r in rows if r["flags"] == flags for p in r["probes"]
-                  if isinstance(p, dict) and p.get("decode_tok_per_s_per_seq")]  # fmt: skip
-        table.append({"flags": flags or "(none)", "probes": len(speeds),
-                      "median_decode_tok_s_per_seq": round(statistics.median(speeds), 2) if speeds else None,
-                      "all": speeds})  # fmt: skip
+        for temperature in temperatures:
+            speeds = [p["decode_tok_per_s_per_seq"] for r in rows if r["flags"] == flags for p in r["probes"]
+                      if isinstance(p, dict) and p.get("decode_tok_per_s_per_seq")
+                      and p.get("temperature", 1.0) == temperature]  # fmt: skip
+            table.append({"flags": flags or "(none)", "temperature": temperature, "probes": len(speeds),
+                          "median_decode_tok_s_per_seq": round(statistics.median(speeds), 2) if speeds else None,
+                          "all": speeds})  # fmt: skip
     return table
+
+
+def temperatures(text: str) -> list[float]:
+    values = [float(t) for t in text.split(",") if t.strip()]
+    if not values or not all(0 <= t <= 2 for t in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated temperatures from 0 to 2")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="probes per server start")
     p.add_argument("--n", type=int, default=1, help="concurrent requests per probe")
     p.add_argument("--tokens", type=int, default=1024, help="tokens each request decodes (EOS ignored)")
+    p.add_argument("--temperatures", type=temperatures, default=[1.0],
+                   help="sampling temperatures probed per start, comma-separated (0: greedy)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--deadline", type=float, default=560, help="seconds for the whole run")
@@ -153,11 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             speeds = [q.get("decode_tok_per_s_per_seq") for q in row["probes"] if isinstance(q, dict)]
             print(f"round {r + 1}, variant {flags or '(none)'!r}: ready {row.get('ready_s')} s, "
                   f"decode tok/s per seq {speeds} {row.get('error', '')}", flush=True)  # fmt: skip
-            result["summary"] = summarize(result["rows"], args.variants)
+            result["summary"] = summarize(result["rows"], args.variants, args.temperatures)
             path.write_text(json.dumps(result, indent=1))
-    print("| flags | probes | median decode tok/s per seq | all |\n|---|---|---|---|")
+    print("| flags | temperature | probes | median decode tok/s per seq | all |\n|---|---|---|---|---|")
     for s in result.get("summary", []):
-        print(f"| {s['flags']} | {s['probes']} | {s['median_decode_tok_s_per_seq']} | {s['all']} |")
+        print(
+            f"| {s['flags']} | {s['temperature']} | {s['probes']} | {s['median_decode_tok_s_per_seq']} | {s['all']} |"
+        )
     print(f"wrote {path}")
     ok = result["rows"] and all("error" not in r and r["probes"] for r in result["rows"])
     return 0 if ok else 1

@@ -122,6 +122,7 @@ def test_gpu_replay_diag_sh_runs_the_server_suite_per_case_and_keeps_the_notes(t
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/bash
         while [ $# -gt 0 ]; do [ "$1" = --basetemp ] && base=$2; shift; done
+        rm -rf "$base"  # as pytest empties its basetemp (once, the suite's log with it)
         echo "graphs=${{GPTOSS_MAX_REPLAY_GRAPHS:-all}} args=$GPTOSS_MAX_TEST_SERVE_ARGS" >> {tmp_path / "calls"}
         mkdir -p "$base/e2e0"
         printf 'ready\\nAt: gather_scatter.mojo:729: Assert Error: Gather index out of bounds.\\n%.0s' 1 2 \\
@@ -136,7 +137,7 @@ def test_gpu_replay_diag_sh_runs_the_server_suite_per_case_and_keeps_the_notes(t
                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "calls").read_text().splitlines() == [
-        "graphs=all args=--graph-capture --replay-small-graphs check",
+        "graphs=all args=--graph-capture --replay-small-graphs check",  # all: the scatter too
         "graphs=sampler,sampler_bitmask args=--graph-capture --replay-small-graphs on",
         "graphs=realize_future_token args=--graph-capture --replay-small-graphs on",
     ]

@@ -113,6 +113,22 @@ def test_check_mode_compares_each_replay_with_an_eager_call_and_logs_the_first_m
             assert logged == []
 
 
+def test_captures_and_the_counts_are_logged(caplog, monkeypatch):
+    # what a served run did (the server prints no counts otherwise): each capture with its shapes and
+    # host values, and the counts every COUNTS_EVERY calls
+    monkeypatch.setattr(maxapi.ReplayedModel, "COUNTS_EVERY", 3)
+    model = maxapi.ReplayedModel(StandIn(), name="sampler", capture_after=2)
+    with caplog.at_level(logging.INFO, logger="gptoss_max.maxapi"):
+        for _ in range(7):
+            model.execute(host([1.0, 2.0]), host(3, np.int64))
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == [
+        "sampler: captured graph 1 (input shapes [(2,), ()]; host values [[1.0, 2.0], 3])",
+        "sampler: after 3 calls: {'replay': 2, 'capture': 1, 'eager': 1}, 0 signatures counted",
+        "sampler: after 6 calls: {'replay': 5, 'capture': 1, 'eager': 1}, 0 signatures counted",
+    ]
+
+
 def test_one_off_signatures_are_not_counted_without_bound(monkeypatch):
     monkeypatch.setattr(maxapi.ReplayedModel, "SEEN_LIMIT", 3)
     model = maxapi.ReplayedModel(StandIn(), capture_after=2)
@@ -152,20 +168,23 @@ def test_replay_overlap_graphs_wraps_the_pipelines_per_step_graphs_once():
         _sampler_with_bitmask = None  # structured output off
         _realize_future_token_processor = Realize()
 
+    from gptoss_max.settings import REPLAYABLE_GRAPHS
+
     pipeline = Pipeline()
-    wrapped = maxapi.replay_overlap_graphs(pipeline)
+    wrapped = maxapi.replay_overlap_graphs(pipeline, REPLAYABLE_GRAPHS)
     assert [w.name for w in wrapped] == ["sampler", "realize_future_token"]
     with_bitmask = Pipeline()
     with_bitmask._sampler_with_bitmask = StandIn()
     with_bitmask._sampler_without_bitmask = StandIn()
     with_bitmask._realize_future_token_processor = Realize()
-    names = [w.name for w in maxapi.replay_overlap_graphs(with_bitmask)]
-    assert names == ["sampler", "sampler_bitmask", "realize_future_token"]
+    names = [w.name for w in maxapi.replay_overlap_graphs(with_bitmask)]  # by default the samplers only
+    assert names == ["sampler", "sampler_bitmask"]
+    assert isinstance(with_bitmask._realize_future_token_processor._graph, StandIn)
     assert (
         pipeline._sampler_without_bitmask is wrapped[0]
         and pipeline._realize_future_token_processor._graph is wrapped[1]
     )
-    assert maxapi.replay_overlap_graphs(pipeline) == []  # already wrapped
+    assert maxapi.replay_overlap_graphs(pipeline, REPLAYABLE_GRAPHS) == []  # already wrapped
     assert maxapi.replay_overlap_graphs(object()) == []  # not the overlap pipeline
     some = Pipeline()
     some._sampler_with_bitmask = StandIn()
@@ -179,6 +198,8 @@ def test_the_graphs_to_replay_are_a_setting(monkeypatch):
     from gptoss_max import settings
 
     monkeypatch.delenv("GPTOSS_MAX_REPLAY_GRAPHS", raising=False)
+    assert settings.replay_graphs() == ("sampler", "sampler_bitmask")  # the scatter is opt-in
+    monkeypatch.setenv("GPTOSS_MAX_REPLAY_GRAPHS", "all")
     assert settings.replay_graphs() == ("sampler", "sampler_bitmask", "realize_future_token")
     monkeypatch.setenv("GPTOSS_MAX_REPLAY_GRAPHS", "sampler, realize_future_token")
     assert settings.replay_graphs() == ("sampler", "realize_future_token")
@@ -243,7 +264,7 @@ def test_replayed_results_equal_eager_ones_call_after_call(kind):
         assert model.counts == {"replay": 6, "capture": 2, "eager": 2, "checked": 6, "mismatch": 0}
 
 
-def test_serve_wraps_the_workers_pipeline_when_asked_and_needs_graph_capture_for_it(tmp_path):
+def test_serve_wraps_the_workers_pipeline_when_asked_and_needs_graph_capture_for_it(tmp_path, monkeypatch):
     import argparse
 
     from gptoss_max.cli import build_parser
@@ -262,7 +283,11 @@ def test_serve_wraps_the_workers_pipeline_when_asked_and_needs_graph_capture_for
     assert isinstance(plain._sampler_without_bitmask, StandIn)
     wrapped = ProbedFactory(Pipeline, tmp_path / "kv.json", replay_small_graphs="on")()
     assert isinstance(wrapped._sampler_without_bitmask, maxapi.ReplayedModel)
-    assert isinstance(wrapped._realize_future_token_processor._graph, maxapi.ReplayedModel)
+    assert isinstance(wrapped._realize_future_token_processor._graph, StandIn)  # the scatter: opt-in
+    monkeypatch.setenv("GPTOSS_MAX_REPLAY_GRAPHS", "all")
+    every = ProbedFactory(Pipeline, tmp_path / "kv.json", replay_small_graphs="on")()
+    assert isinstance(every._realize_future_token_processor._graph, maxapi.ReplayedModel)
+    monkeypatch.delenv("GPTOSS_MAX_REPLAY_GRAPHS")
 
     checked = ProbedFactory(Pipeline, tmp_path / "kv.json", replay_small_graphs="check")()
     assert checked._sampler_without_bitmask.check and not wrapped._sampler_without_bitmask.check

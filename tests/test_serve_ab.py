@@ -31,7 +31,7 @@ def test_a_server_starts_answers_its_probes_and_stops_with_its_flags_in_the_work
     assert len(row["probes"]) == 2
     assert all(p["n"] == 1 and p["output_tokens"] == 4 and p["decode_tok_per_s_per_seq"] > 0 for p in row["probes"])
     assert any("scheduler thread isolated" in line for line in row["log_notes"])  # the flag reached the worker
-    assert result["summary"][0]["probes"] == 2 and "| --isolate-scheduler-thread | 2 |" in out.stdout
+    assert result["summary"][0]["probes"] == 2 and "| --isolate-scheduler-thread | 1.0 | 2 |" in out.stdout
 
 
 def test_variants_alternate_round_by_round_and_a_late_start_is_skipped(tmp_path, monkeypatch, capsys):
@@ -43,18 +43,27 @@ def test_variants_alternate_round_by_round_and_a_late_start_is_skipped(tmp_path,
         started.append(flags)
         clock[0] += 100  # each server's start and probes
         speed = {"": 500.0, "--x": 550.0}[flags]
-        return {"flags": flags, "probes": [{"decode_tok_per_s_per_seq": speed + len(started)}], "ready_s": 1.0}
+        probes = [
+            {"decode_tok_per_s_per_seq": speed + len(started) + 10 * t, "temperature": t} for t in args.temperatures
+        ]
+        return {"flags": flags, "probes": probes, "ready_s": 1.0}
 
     monkeypatch.setattr(ab, "run_variant", run_variant)
     monkeypatch.setattr(ab, "clock", lambda: clock[0])
     code = ab.main(["--out", str(tmp_path), "--devices", "cpu", "--rounds", "3", "--deadline", "450",
-                    "--start-s", "100", "--", "", "--x"])  # fmt: skip
+                    "--start-s", "100", "--temperatures", "1,0", "--", "", "--x"])  # fmt: skip
     assert code == 0 and started == ["", "--x", "", "--x"]  # the 5th start would leave less than --start-s
     result = json.loads(next(tmp_path.glob("serve_ab_cpu_*.json")).read_text())
     assert [r["round"] for r in result["rows"]] == [1, 1, 2, 2]
-    assert result["summary"] == [
-        {"flags": "(none)", "probes": 2, "median_decode_tok_s_per_seq": 502.0, "all": [501.0, 503.0]},
-        {"flags": "--x", "probes": 2, "median_decode_tok_s_per_seq": 553.0, "all": [552.0, 554.0]},
+    rows = [(s["flags"], s["temperature"], s["probes"], s["median_decode_tok_s_per_seq"], s["all"])
+            for s in result["summary"]]  # fmt: skip
+    assert rows == [  # per variant and temperature
+        ("(none)", 1.0, 2, 512.0, [511.0, 513.0]),
+        ("(none)", 0.0, 2, 502.0, [501.0, 503.0]),
+        ("--x", 1.0, 2, 563.0, [562.0, 564.0]),
+        ("--x", 0.0, 2, 553.0, [552.0, 554.0]),
     ]
     printed = capsys.readouterr().out
-    assert "round 3, variant '': 50 s left, skipped" in printed and "| --x | 2 | 553.0 |" in printed
+    assert "round 3, variant '': 50 s left, skipped" in printed and "| --x | 0.0 | 2 | 553.0 |" in printed
+    with pytest.raises(SystemExit):
+        ab.main(["--out", str(tmp_path), "--temperatures", "1,3", "--", ""])

@@ -239,8 +239,12 @@ def test_bench_probe(tmp_path):
         assert r.status_code == 200, r.text
         report = r.json()
         assert report["n"] == 3 and report["output_tokens"] == 48 and report["tok_per_s"] > 0
-        assert all(p.ignore_eos for p in engine.params)
+        assert all(p.ignore_eos and p.temperature == 1.0 for p in engine.params)
         assert httpx.get(f"{base}/bench", params={"n": 0}).status_code == 400
+        greedy = httpx.get(f"{base}/bench", params={"n": 1, "max_new_tokens": 4, "temperature": 0}, timeout=10)
+        assert greedy.status_code == 200 and greedy.json()["temperature"] == 0 and engine.params[-1].temperature == 0
+        hot = httpx.get(f"{base}/bench", params={"temperature": 2.5})
+        assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
 
 
 def test_api_key(server, monkeypatch):

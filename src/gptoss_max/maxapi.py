@@ -263,6 +263,7 @@ class ReplayedModel:
 
     HOST_KEY_ELEMENTS = 64  # host inputs up to this many elements go into the key by value
     SEEN_LIMIT = 1024  # signatures counted towards a capture at most
+    COUNTS_EVERY = 4096  # calls between two log lines of the counts (what a served run did)
 
     def __init__(
         self, model: Any, *, name: str = "model", capture_after: int = 2, max_graphs: int = 8, check: bool = False
@@ -312,6 +313,11 @@ class ReplayedModel:
         return tuple(parts)
 
     def execute(self, *inputs: Any) -> list[Any]:
+        calls = sum(self.counts[k] for k in ("replay", "eager"))
+        if calls and calls % self.COUNTS_EVERY == 0:
+            _log.info(
+                "%s: after %d calls: %s, %d signatures counted", self.name, calls, dict(self.counts), len(self.seen)
+            )
         key = self.key(inputs)
         entry = self.graphs.get(key) if key is not None else None
         if entry is None and key is not None and key not in self.refused and len(self.graphs) < self.max_graphs:
@@ -355,7 +361,7 @@ class ReplayedModel:
             _log.warning(
                 "%s: replay of graph %d differs from an eager call in outputs %s (input shapes %s; "
                 "replayed vs eager, first values: %s); counts %s",
-                self.name, graph_key, differ, shapes, first, self.counts,
+                self.name, graph_key, differ, shapes, first, dict(self.counts),
             )  # fmt: skip
 
     def _capture(self, key: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[list[Any], list[Any], int] | None:
@@ -381,6 +387,9 @@ class ReplayedModel:
         self.graphs[key] = (stable, outputs, graph_key)
         self.seen.pop(key, None)
         self.counts["capture"] += 1
+        shapes = [tuple(b.shape) for b in inputs]
+        values = [b.to_numpy().tolist() for b in inputs if self.kept(b)]
+        _log.info("%s: captured graph %d (input shapes %s; host values %s)", self.name, graph_key, shapes, values)
         return self.graphs[key]
 
 
@@ -388,11 +397,12 @@ def replay_overlap_graphs(pipeline: Any, names: Sequence[str] | None = None, **k
     """Wrap the overlap pipeline's eager per-step graphs (MAX 26.7: the sampler, the sampler with a
     token bitmask where structured output is on (its bitmask is a device input, refreshed like the
     others), and the future-token scatter) in `ReplayedModel`s; returns them (their `counts` say
-    what ran). `names` picks some of them (`settings.REPLAYABLE_GRAPHS`; default all); `kwargs` are
-    ReplayedModel's. A pipeline without them (not the overlap pipeline) is left as it is."""
-    from gptoss_max.settings import REPLAYABLE_GRAPHS
+    what ran). `names` picks some of them (`settings.REPLAYABLE_GRAPHS`; default
+    `settings.DEFAULT_REPLAY_GRAPHS`, the samplers); `kwargs` are ReplayedModel's. A pipeline without
+    them (not the overlap pipeline) is left as it is."""
+    from gptoss_max.settings import DEFAULT_REPLAY_GRAPHS
 
-    wanted = set(REPLAYABLE_GRAPHS if names is None else names)
+    wanted = set(DEFAULT_REPLAY_GRAPHS if names is None else names)
     wrapped: list[ReplayedModel] = []
     for attr, name in (("_sampler_without_bitmask", "sampler"), ("_sampler_with_bitmask", "sampler_bitmask")):
         sampler = getattr(pipeline, attr, None)  # the second only where structured output is on

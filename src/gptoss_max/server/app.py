@@ -134,10 +134,10 @@ def build_router(state: ServerState) -> APIRouter:
         return model_object()
 
     @api.get("/bench", responses=_errors(400, 404))
-    async def bench(n: int = 8, max_new_tokens: int = 64) -> dict:
+    async def bench(n: int = 8, max_new_tokens: int = 64, temperature: float = 1.0) -> dict:
         if not state.enable_bench:
             raise not_found("The decode probe is off; start the server with --enable-bench.")
-        return await run_bench(state.engine, n, max_new_tokens)
+        return await run_bench(state.engine, n, max_new_tokens, temperature)
 
     router = APIRouter()
 

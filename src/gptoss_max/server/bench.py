@@ -23,14 +23,17 @@ async def _one(
     return first or 0.0, count
 
 
-async def run_bench(engine: Engine, n: int, max_new_tokens: int) -> dict:
-    """`n` concurrent requests, each decoding exactly `max_new_tokens` (stop tokens ignored)."""
+async def run_bench(engine: Engine, n: int, max_new_tokens: int, temperature: float = 1.0) -> dict:
+    """`n` concurrent requests, each decoding exactly `max_new_tokens` (stop tokens ignored), sampled
+    at `temperature` (0: greedy, which MAX samples by another path)."""
     if not 1 <= n <= 256:
         raise bad_request("n must be between 1 and 256.", "n")
     if not 1 <= max_new_tokens <= 8192:
         raise bad_request("max_new_tokens must be between 1 and 8192.", "max_new_tokens")
+    if not 0 <= temperature <= 2:
+        raise bad_request("temperature must be between 0 and 2.", "temperature")
     prompt = render_prompt(TurnSpec(effort="low"), [hm.user(PROMPT)]).ids
-    params = GenParams(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True)
+    params = GenParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
     t0 = time.perf_counter()
     results = await asyncio.gather(*[_one(engine, prompt, params, t0) for _ in range(n)])
     wall = time.perf_counter() - t0
@@ -41,6 +44,7 @@ async def run_bench(engine: Engine, n: int, max_new_tokens: int) -> dict:
         "model": engine.model_name,
         "n": n,
         "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
         "prompt_tokens": len(prompt),
         "output_tokens": tokens,
         "wall_s": round(wall, 4),
