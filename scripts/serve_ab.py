@@ -55,7 +55,7 @@ def get_json(url: str, timeout: float) -> tuple[int, Any]:
         return 0, str(err)
 
 
-NOTE_MARKS = ("ERROR", "WARNING", "scheduler thread isolated", "replaying device graphs")
+NOTE_MARKS = ("ERROR", "WARNING", "scheduler thread isolated", "replaying device graphs", "captured graph", " calls: {")
 
 
 def notes_and_tail(path: Path, n: int = 40) -> tuple[list[str], list[str]]:

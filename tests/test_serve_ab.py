@@ -67,3 +67,18 @@ def test_variants_alternate_round_by_round_and_a_late_start_is_skipped(tmp_path,
     assert "round 3, variant '': 50 s left, skipped" in printed and "| --x | 0.0 | 2 | 553.0 |" in printed
     with pytest.raises(SystemExit):
         ab.main(["--out", str(tmp_path), "--temperatures", "1,3", "--", ""])
+
+
+def test_the_notes_keep_what_the_flags_did(tmp_path):
+    ab = load_script("scripts/serve_ab.py", "serve_ab_script")
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([
+        "INFO: Model worker ready",
+        "INFO: replaying device graphs for: sampler, sampler_bitmask",
+        "INFO: sampler: captured graph 1 (input shapes [(1, 201088)]; host values [[], 255, 1.0])",
+        "INFO: sampler: after 1024 calls: {'replay': 1022, 'capture': 1, 'eager': 2}, 0 signatures counted",
+        "INFO: Enqueued TG batch with 1 reqs",
+    ]))  # fmt: skip
+    notes, tail = ab.notes_and_tail(log, n=3)
+    assert [n.split(": ", 1)[1][:16] for n in notes] == ["replaying device", "sampler: capture", "sampler: after 1"]
+    assert tail[-1] == "INFO: Enqueued TG batch with 1 reqs" and len(tail) == 3

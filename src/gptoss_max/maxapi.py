@@ -263,7 +263,7 @@ class ReplayedModel:
 
     HOST_KEY_ELEMENTS = 64  # host inputs up to this many elements go into the key by value
     SEEN_LIMIT = 1024  # signatures counted towards a capture at most
-    COUNTS_EVERY = 4096  # calls between two log lines of the counts (what a served run did)
+    COUNTS_EVERY = 1024  # calls between two log lines of the counts (what a served run did)
 
     def __init__(
         self, model: Any, *, name: str = "model", capture_after: int = 2, max_graphs: int = 8, check: bool = False
