@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from gptoss_max.ports import free_port
+
 SERVE = [sys.executable, "-m", "gptoss_max.cli", "serve"]
 clock = time.monotonic  # (a test's stand-in clock replaces it)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get_json(url: str, timeout: float) -> tuple[int, Any]:

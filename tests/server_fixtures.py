@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import threading
 import time
@@ -13,6 +12,7 @@ import httpx
 import uvicorn
 
 from gptoss_max.harmony.render import encode_harmony
+from gptoss_max.ports import free_port
 
 FINAL = (
     "<|channel|>analysis<|message|>The user greets. Greet back.<|end|>"
@@ -58,13 +58,6 @@ def decode(ids: list[int]) -> str:
     from gptoss_max.tokenizer import harmony_encoding
 
     return harmony_encoding().decode(ids)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(

@@ -194,6 +194,20 @@ def test_replay_overlap_graphs_wraps_the_pipelines_per_step_graphs_once():
     assert isinstance(some._realize_future_token_processor._graph, StandIn)
 
 
+def test_replay_in_mode_maps_the_flags_modes(monkeypatch):
+    class Pipeline:
+        def __init__(self):
+            self._sampler_without_bitmask = StandIn()
+
+    monkeypatch.delenv("GPTOSS_MAX_REPLAY_GRAPHS", raising=False)
+    assert maxapi.replay_in_mode(Pipeline(), "off") == []
+    (on,) = maxapi.replay_in_mode(Pipeline(), "on")
+    (checked,) = maxapi.replay_in_mode(Pipeline(), "check")
+    assert on.name == checked.name == "sampler" and checked.check and not on.check
+    with pytest.raises(ValueError, match="replay mode 'yes'; choose from off, on, check"):
+        maxapi.replay_in_mode(Pipeline(), "yes")
+
+
 def test_the_graphs_to_replay_are_a_setting(monkeypatch):
     from gptoss_max import settings
 
@@ -213,7 +227,7 @@ def test_engine_options_need_graph_capture_for_it():
     from gptoss_max.engine import EngineOptions, pipeline_args
 
     with pytest.raises(ValueError, match="replay_small_graphs needs graph_capture"):
-        pipeline_args(EngineOptions(model="synthetic:tiny", device="cpu", replay_small_graphs=True))
+        pipeline_args(EngineOptions(model="synthetic:tiny", device="cpu", replay_small_graphs="on"))
 
 
 def _gather_scale(kind: str):

@@ -516,8 +516,7 @@ def worker(args: argparse.Namespace) -> int:
         kv_memory_fraction=args.kv_memory_fraction,
         encoding=args.encoding,
         graph_capture=args.worker_graph_capture,
-        replay_small_graphs=replay != "off",
-        replay_check=replay == "check",
+        replay_small_graphs=replay,
         max_batch_input_tokens=args.max_batch_input_tokens,
         arch_module="gptoss_max.stock" if args.arch == "stock" else "gptoss_max.arch",
     )
@@ -1015,9 +1014,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--replay-small-graphs",
-        choices=["off", "on", "check"],
+        choices=settings.REPLAY_MODES,
         default="off",
-        help="with graphs: the overlap pipeline's per-step sampler and token scatter replay device graphs too, "
+        help="with graphs: the overlap pipeline's per-step samplers (GPTOSS_MAX_REPLAY_GRAPHS: and token scatter) "
+        "replay device graphs too, "
         "instead of running eagerly each step (maxapi.ReplayedModel); check: and each replay's outputs are "
         "compared with an eager call's (slow; the counts go into the result)",
     )

@@ -34,10 +34,10 @@ class EngineOptions:
     kv_memory_fraction: float | None = None
     encoding: str | None = None  # float32 on CPU and bfloat16 on GPU unless given
     graph_capture: bool = False  # decode steps replay captured device graphs (GPU only; MAX's overlap pipeline)
-    # with graph_capture: the pipeline's per-step sampler and token scatter replay graphs too
-    # (maxapi.ReplayedModel), instead of running eagerly each step
-    replay_small_graphs: bool = False
-    replay_check: bool = False  # ... and each replay is checked against an eager call (ReplayedModel.check)
+    # with graph_capture: the pipeline's small per-step graphs replay device graphs too, instead of
+    # running eagerly each step: off, on, or check (each replay compared with an eager call);
+    # maxapi.replay_in_mode
+    replay_small_graphs: str = "off"
     max_batch_input_tokens: int | None = None  # prompt tokens one step may take (MAX's default: 8192)
     arch_module: str = ARCH_MODULE  # the custom architecture module MAX registers (e2e: gptoss_max.stock)
 
@@ -59,7 +59,7 @@ def pipeline_args(opts: EngineOptions) -> Any:
     settings.check_deterministic(opts.graph_capture)
     if opts.graph_capture and not gpu:
         raise ValueError("device graph capture needs a GPU (MAX's overlap pipeline refuses CPU models)")
-    if opts.replay_small_graphs and not opts.graph_capture:
+    if opts.replay_small_graphs != "off" and not opts.graph_capture:
         raise ValueError("replay_small_graphs needs graph_capture (it wraps the overlap pipeline's per-step graphs)")
     fraction = opts.kv_memory_fraction or (0.9 if gpu else 0.05)
     runtime: dict[str, Any] = {
@@ -96,11 +96,7 @@ class Engine:
             t0 = time.perf_counter()
             self.pipeline.warmup_graph_capture()  # captures decode graphs per batch size / cache length
             self.capture_seconds = time.perf_counter() - t0
-        self.replayed = (
-            maxapi.replay_overlap_graphs(self.pipeline, settings.replay_graphs(), check=opts.replay_check)
-            if opts.replay_small_graphs
-            else []
-        )
+        self.replayed = maxapi.replay_in_mode(self.pipeline, opts.replay_small_graphs)
 
     def generate(
         self,

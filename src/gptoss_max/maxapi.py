@@ -417,6 +417,19 @@ def replay_overlap_graphs(pipeline: Any, names: Sequence[str] | None = None, **k
     return wrapped
 
 
+def replay_in_mode(pipeline: Any, mode: str) -> list[ReplayedModel]:
+    """`--replay-small-graphs`' mode on a pipeline: off wraps nothing; on wraps the graphs
+    `GPTOSS_MAX_REPLAY_GRAPHS` names (settings.replay_graphs); check wraps them with each replay
+    compared with an eager call (ReplayedModel.check)."""
+    from gptoss_max import settings
+
+    if mode not in settings.REPLAY_MODES:
+        raise ValueError(f"replay mode {mode!r}; choose from {', '.join(settings.REPLAY_MODES)}")
+    if mode == "off":
+        return []
+    return replay_overlap_graphs(pipeline, settings.replay_graphs(), check=mode == "check")
+
+
 def device_sync_enabled() -> bool:
     """MAX's `device_sync_mode` flag for this process (`InferenceSession.debug`, a process-wide
     singleton): every device op waits for the one before it, so no two run at once. What

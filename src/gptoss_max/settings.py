@@ -196,6 +196,7 @@ def tap_weights() -> bool:
     return tap_mode() == "weights"
 
 
+REPLAY_MODES = ("off", "on", "check")  # --replay-small-graphs (bench, serve): maxapi.replay_in_mode
 REPLAYABLE_GRAPHS = ("sampler", "sampler_bitmask", "realize_future_token")
 # The scatter is left out: replayed without the samplers it crashed the server's worker on an H200
 # (a token id out of range reached the embedding; bench/NOTES.md, "Sixteenth session").

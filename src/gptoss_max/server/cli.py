@@ -54,11 +54,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "--deterministic, off otherwise; on (also the bare flag) refuses a CPU. Synthetic 20b, "
                         "batch 1, H200: ~186 tok/s without, ~590 with (bench/results/e2e_h200_*)")  # fmt: skip
     p.add_argument("--replay-small-graphs", nargs="?", const="on", default="off", choices=REPLAY_CHOICES,
-                   help="with graph capture: the sampler and the scatter of each step's token replay device "
-                        "graphs too (maxapi.ReplayedModel; ~0.2 ms less host work per step on the H200). on (also "
-                        "the bare flag); check: and each replay is compared with an eager call, mismatches "
-                        "logged (slow). Off by default: on an H200 the server's structured-output tests crashed "
-                        "the worker with it on (bench/NOTES.md, \"Fifteenth session\")")  # fmt: skip
+                   help="with graph capture: the per-step samplers replay device graphs too (maxapi.ReplayedModel; "
+                        "GPTOSS_MAX_REPLAY_GRAPHS adds the token scatter, which crashed the worker on an H200). on "
+                        "(also the bare flag); check: and each replay is compared with an eager call, mismatches "
+                        "logged (slow). Off by default: on an H200 at temperature 1 it was slower, 369 against 550 "
+                        "tok/s (bench/NOTES.md, \"Sixteenth session\")")  # fmt: skip
     p.add_argument("--isolate-scheduler-thread", action="store_true",
                    help="Linux: the model worker's scheduler thread (which runs every step's host work) gets a CPU "
                         "core of its own; the worker's other threads, later ones too, are kept off it. In the e2e "
@@ -72,7 +72,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 GRAPH_CAPTURE_CHOICES = ("auto", "on", "off")
-REPLAY_CHOICES = ("off", "on", "check")
+REPLAY_CHOICES = settings.REPLAY_MODES
 
 
 def graph_capture_wanted(choice: str | bool, on_gpu: bool) -> bool:
@@ -117,7 +117,7 @@ def pipeline_args(args: argparse.Namespace) -> Any:
         opts["max_batch_size"] = args.max_batch_size
     opts["graph_capture"] = graph_capture_wanted(getattr(args, "graph_capture", "auto"), on_gpu)
     # refused without graph capture (the worker's ProbedFactory does the wrapping, check mode included)
-    opts["replay_small_graphs"] = getattr(args, "replay_small_graphs", "off") != "off"
+    opts["replay_small_graphs"] = getattr(args, "replay_small_graphs", "off")
     update: dict[str, Any] = {"task": PipelineTask.TEXT_GENERATION}
     if args.served_model_name:
         update["served_model_name"] = args.served_model_name

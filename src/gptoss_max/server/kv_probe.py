@@ -70,14 +70,13 @@ class ProbedFactory:
     def __call__(self) -> Any:
         pipeline = self.factory()
         if self.replay_small_graphs != "off":
-            from gptoss_max import maxapi, settings
+            from gptoss_max import maxapi
 
-            check = self.replay_small_graphs == "check"
-            wrapped = maxapi.replay_overlap_graphs(pipeline, settings.replay_graphs(), check=check)
+            wrapped = maxapi.replay_in_mode(pipeline, self.replay_small_graphs)
             logger.info(
                 "replaying device graphs for: %s%s",
                 ", ".join(w.name for w in wrapped) or "nothing",
-                " (each checked against an eager call)" if check else "",
+                " (each checked against an eager call)" if self.replay_small_graphs == "check" else "",
             )
         if self.isolate:
             from gptoss_max import affinity
