@@ -7,6 +7,7 @@ back to eager and says so; on a GPU, the replay itself)."""
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -122,11 +123,14 @@ def test_captures_and_the_counts_are_logged(caplog, monkeypatch):
         for _ in range(7):
             model.execute(host([1.0, 2.0]), host(3, np.int64))
     logged = [r.getMessage() for r in caplog.records]
-    assert logged == [
+    assert [line.split("; host µs")[0] for line in logged] == [
         "sampler: captured graph 1 (input shapes [(2,), ()]; host values [[1.0, 2.0], 3])",
         "sampler: after 3 calls: {'replay': 2, 'capture': 1, 'eager': 1}, 0 signatures counted",
         "sampler: after 6 calls: {'replay': 5, 'capture': 1, 'eager': 1}, 0 signatures counted",
     ]
+    # and the host time per call of each kind: both spent, each call counted once
+    assert re.fullmatch(r".*; host µs per call \{'replay': [0-9.]+, 'eager': [0-9.]+\}", logged[2])
+    assert model.host_s["replay"] > 0 and model.host_s["eager"] > 0
 
 
 def test_one_off_signatures_are_not_counted_without_bound(monkeypatch):

@@ -279,6 +279,8 @@ class ReplayedModel:
         self.seen: dict[tuple[Any, ...], int] = {}
         self.refused: set[tuple[Any, ...]] = set()
         self.counts = {"replay": 0, "capture": 0, "eager": 0} | ({"checked": 0, "mismatch": 0} if check else {})
+        # host seconds in calls that replayed (a capture's own call among them) and in eager ones
+        self.host_s = {"replay": 0.0, "eager": 0.0}
 
     def __getattr__(self, name: str) -> Any:  # input_metadata, signature, ... of the model
         return getattr(self.model, name)
@@ -313,11 +315,20 @@ class ReplayedModel:
         return tuple(parts)
 
     def execute(self, *inputs: Any) -> list[Any]:
-        calls = sum(self.counts[k] for k in ("replay", "eager"))
+        calls = self.counts["replay"] + self.counts["eager"]
         if calls and calls % self.COUNTS_EVERY == 0:
+            host_us = {k: round(1e6 * s / max(self.counts[k], 1), 1) for k, s in self.host_s.items()}
             _log.info(
-                "%s: after %d calls: %s, %d signatures counted", self.name, calls, dict(self.counts), len(self.seen)
-            )
+                "%s: after %d calls: %s, %d signatures counted; host µs per call %s",
+                self.name, calls, dict(self.counts), len(self.seen), host_us,
+            )  # fmt: skip
+        t0 = time.perf_counter()
+        replays = self.counts["replay"]
+        outputs = self._execute(inputs)
+        self.host_s["replay" if self.counts["replay"] > replays else "eager"] += time.perf_counter() - t0
+        return outputs
+
+    def _execute(self, inputs: tuple[Any, ...]) -> list[Any]:
         key = self.key(inputs)
         entry = self.graphs.get(key) if key is not None else None
         if entry is None and key is not None and key not in self.refused and len(self.graphs) < self.max_graphs:
