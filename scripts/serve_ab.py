@@ -2,7 +2,9 @@
 
 `bench/e2e.py` times the engine in a worker of its own; this times `gptoss-max serve` itself (MAX's
 model worker process, its scheduler, our API process), through its decode probe (`GET /bench`,
-`--enable-bench`). Each variant is a string of extra `serve` flags ("" for none). Variants run in
+`--enable-bench`). Each variant is a string of extra `serve` flags ("" for none), after any
+`NAME=value` words for that server's environment (`"GPTOSS_MAX_REPLAY_GRAPHS=all --replay-small-graphs"`).
+Variants run in
 turn, round after round: per round each variant's server starts, answers `--repeats` probes of `--n`
 concurrent requests decoding exactly `--tokens` tokens, and stops. So variants alternate, and a slow
 stretch of the host lands on either. A start that would run past `--deadline` is skipped, and says so.
@@ -23,6 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -60,18 +64,29 @@ def notes_and_tail(path: Path, n: int = 40) -> tuple[list[str], list[str]]:
     return [line for line in lines if any(m in line for m in NOTE_MARKS)][:n], lines[-n:]
 
 
+def split_env(flags: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's leading `NAME=value` words (its server's environment) and its serve flags."""
+    words = shlex.split(flags)
+    env: dict[str, str] = {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
+
+
 def run_variant(args: argparse.Namespace, flags: str, log: Path, deadline: float) -> dict[str, Any]:
     """Start one server with `flags`, probe it, stop it; what it answered."""
     port = free_port()
     store = log.with_suffix(".sqlite3")  # its own response store, not the data dir's
+    env, serve_flags = split_env(flags)
     cmd = [*SERVE, "--model", args.model, "--devices", args.devices, "--port", str(port), "--enable-bench",
            "--store", str(store), "--max-batch-size", str(args.max_batch_size), "--max-length", str(args.max_length),
-           *shlex.split(flags)]  # fmt: skip
-    row: dict[str, Any] = {"flags": flags, "command": " ".join(cmd[2:]), "probes": []}
+           *serve_flags]  # fmt: skip
+    row: dict[str, Any] = {"flags": flags, "command": " ".join(cmd[2:]), "env": env, "probes": []}
     base = f"http://127.0.0.1:{port}"
     t0 = clock()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
         while get_json(f"{base}/health", 2)[0] != 200:
             if proc.poll() is not None:

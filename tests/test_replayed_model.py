@@ -198,6 +198,41 @@ def test_replay_overlap_graphs_wraps_the_pipelines_per_step_graphs_once():
     assert isinstance(some._realize_future_token_processor._graph, StandIn)
 
 
+def test_the_scatter_replays_only_on_tokens_a_replayed_sampler_wrote():
+    # replayed on an eager sampler's tokens the scatter crashed the server's worker (H200); both
+    # replayed, or the scatter eager, passed: the scatter is held eager unless an input lives where
+    # a replayed sampler's captured outputs do (a view of one counts: same memory)
+    from gptoss_max.settings import REPLAYABLE_GRAPHS
+
+    class Realize:
+        def __init__(self):
+            self._graph = StandIn()
+
+    class Pipeline:
+        def __init__(self):
+            self._sampler_without_bitmask = StandIn()
+            self._realize_future_token_processor = Realize()
+
+    pipeline = Pipeline()
+    sampler, scatter = maxapi.replay_overlap_graphs(pipeline, REPLAYABLE_GRAPHS, capture_after=1)
+    k = host(3, np.int64)
+    for _ in range(3):  # an eager sampler's tokens: fresh memory each step
+        scatter.execute(host([1.0, 2.0]), k)
+    assert scatter.counts == {"replay": 0, "capture": 0, "eager": 3, "held": 3} and not scatter.graphs
+    (tokens,) = sampler.execute(host([5.0, 6.0]), k)  # captured and replayed: its own output buffer
+    assert sampler.counts["replay"] == 1 and tokens._data_ptr() in sampler.output_ptrs
+    for _ in range(2):
+        (out,) = scatter.execute(tokens.view(tokens.dtype, [2]), k)
+    assert np.array_equal(out.to_numpy(), [7.0, 8.0])
+    assert scatter.counts == {"replay": 2, "capture": 1, "eager": 3, "held": 3}
+    scatter.execute(host([1.0, 2.0]), k)  # the sampler eager again (a new signature): held, not replayed
+    assert scatter.counts["held"] == 4 and scatter.counts["replay"] == 2
+    only = Pipeline()  # the scatter alone: no replayed sampler, so it never replays
+    (alone,) = maxapi.replay_overlap_graphs(only, ["realize_future_token"], capture_after=1)
+    alone.execute(tokens, k)
+    assert alone.counts["held"] == 1 and not alone.graphs
+
+
 def test_replay_in_mode_maps_the_flags_modes(monkeypatch):
     class Pipeline:
         def __init__(self):

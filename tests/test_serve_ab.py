@@ -82,3 +82,13 @@ def test_the_notes_keep_what_the_flags_did(tmp_path):
     notes, tail = ab.notes_and_tail(log, n=3)
     assert [n.split(": ", 1)[1][:16] for n in notes] == ["replaying device", "sampler: capture", "sampler: after 1"]
     assert tail[-1] == "INFO: Enqueued TG batch with 1 reqs" and len(tail) == 3
+
+
+def test_a_variant_may_set_its_servers_environment():
+    ab = load_script("scripts/serve_ab.py", "serve_ab_script")
+    assert ab.split_env("") == ({}, [])
+    assert ab.split_env("GPTOSS_MAX_REPLAY_GRAPHS=all X=a=b --replay-small-graphs on") == (
+        {"GPTOSS_MAX_REPLAY_GRAPHS": "all", "X": "a=b"},
+        ["--replay-small-graphs", "on"],
+    )
+    assert ab.split_env("--flag A=1") == ({}, ["--flag", "A=1"])  # only leading words

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -259,19 +259,31 @@ class ReplayedModel:
     non-empty pinned buffer, a large host one) keep the call eager, as do signatures past
     `max_graphs`. Outputs are the graph's own buffers, overwritten by the next replay of that
     signature: the overlap pipeline consumes each step's outputs on the stream (the next step's
-    scatter, the token's copy to the host) before the next replay of the same graph is queued."""
+    scatter, the token's copy to the host) before the next replay of the same graph is queued.
+    `replay_if` (the scatter's guard, replay_overlap_graphs) keeps calls whose inputs it refuses
+    eager."""
 
     HOST_KEY_ELEMENTS = 64  # host inputs up to this many elements go into the key by value
     SEEN_LIMIT = 1024  # signatures counted towards a capture at most
     COUNTS_EVERY = 1024  # calls between two log lines of the counts (what a served run did)
 
     def __init__(
-        self, model: Any, *, name: str = "model", capture_after: int = 2, max_graphs: int = 8, check: bool = False
+        self,
+        model: Any,
+        *,
+        name: str = "model",
+        capture_after: int = 2,
+        max_graphs: int = 8,
+        check: bool = False,
+        replay_if: Callable[[tuple[Any, ...]], bool] | None = None,
     ):
         self.model = model
         self.name = name
         self.capture_after = capture_after
         self.max_graphs = max_graphs
+        # replay_if: a call whose inputs it refuses runs eagerly (counted as held), captured or not
+        self.replay_if = replay_if
+        self.output_ptrs: set[int] = set()  # where the captured graphs' outputs live
         # check: every replay also runs the call eagerly, and counts outputs that differ (a test
         # mode: it syncs the host with the GPU twice a call)
         self.check = check
@@ -279,6 +291,8 @@ class ReplayedModel:
         self.seen: dict[tuple[Any, ...], int] = {}
         self.refused: set[tuple[Any, ...]] = set()
         self.counts = {"replay": 0, "capture": 0, "eager": 0} | ({"checked": 0, "mismatch": 0} if check else {})
+        if replay_if is not None:
+            self.counts["held"] = 0
         # host seconds in calls that replayed (a capture's own call among them) and in eager ones
         self.host_s = {"replay": 0.0, "eager": 0.0}
 
@@ -329,6 +343,10 @@ class ReplayedModel:
         return outputs
 
     def _execute(self, inputs: tuple[Any, ...]) -> list[Any]:
+        if self.replay_if is not None and not self.replay_if(inputs):
+            self.counts["held"] += 1
+            self.counts["eager"] += 1
+            return self.model.execute(*inputs)
         key = self.key(inputs)
         entry = self.graphs.get(key) if key is not None else None
         if entry is None and key is not None and key not in self.refused and len(self.graphs) < self.max_graphs:
@@ -396,6 +414,7 @@ class ReplayedModel:
         if await_graphs is not None:  # MAX instantiates captured graphs on threads (26.7)
             await_graphs()
         self.graphs[key] = (stable, outputs, graph_key)
+        self.output_ptrs.update(b._data_ptr() for b in outputs)
         self.seen.pop(key, None)
         self.counts["capture"] += 1
         shapes = [tuple(b.shape) for b in inputs]
@@ -415,15 +434,27 @@ def replay_overlap_graphs(pipeline: Any, names: Sequence[str] | None = None, **k
 
     wanted = set(DEFAULT_REPLAY_GRAPHS if names is None else names)
     wrapped: list[ReplayedModel] = []
-    for attr, name in (("_sampler_without_bitmask", "sampler"), ("_sampler_with_bitmask", "sampler_bitmask")):
+    sampler_attrs = (("_sampler_without_bitmask", "sampler"), ("_sampler_with_bitmask", "sampler_bitmask"))
+    for attr, name in sampler_attrs:
         sampler = getattr(pipeline, attr, None)  # the second only where structured output is on
         if name in wanted and sampler is not None and not isinstance(sampler, ReplayedModel):
             setattr(pipeline, attr, ReplayedModel(sampler, name=name, **kwargs))
             wrapped.append(getattr(pipeline, attr))
+
+    def tokens_of_a_replayed_sampler(inputs: tuple[Any, ...]) -> bool:
+        """Whether the scatter's inputs hold the previous tokens where a replayed sampler wrote them.
+        Replayed on an eager sampler's tokens, the scatter crashed the server's worker on an H200;
+        with both replayed, or both eager, it passed (bench/NOTES.md, "Sixteenth session")."""
+        samplers = [getattr(pipeline, attr, None) for attr, _ in sampler_attrs]
+        ptrs = set().union(*(s.output_ptrs for s in samplers if isinstance(s, ReplayedModel)))
+        return any(b._data_ptr() in ptrs for b in inputs if hasattr(b, "_data_ptr"))
+
     realize = getattr(pipeline, "_realize_future_token_processor", None)
     graph = getattr(realize, "_graph", None) if "realize_future_token" in wanted else None
     if realize is not None and graph is not None and not isinstance(graph, ReplayedModel):
-        realize._graph = ReplayedModel(graph, name="realize_future_token", **kwargs)
+        realize._graph = ReplayedModel(
+            graph, name="realize_future_token", replay_if=tokens_of_a_replayed_sampler, **kwargs
+        )
         wrapped.append(realize._graph)
     return wrapped
 

@@ -199,7 +199,8 @@ def tap_weights() -> bool:
 REPLAY_MODES = ("off", "on", "check")  # --replay-small-graphs (bench, serve): maxapi.replay_in_mode
 REPLAYABLE_GRAPHS = ("sampler", "sampler_bitmask", "realize_future_token")
 # The scatter is left out: replayed without the samplers it crashed the server's worker on an H200
-# (a token id out of range reached the embedding; bench/NOTES.md, "Sixteenth session").
+# (a token id out of range reached the embedding; bench/NOTES.md, "Sixteenth session"). Asked for, it
+# replays only on tokens a replayed sampler wrote (maxapi.replay_overlap_graphs), the one way it passed.
 DEFAULT_REPLAY_GRAPHS = ("sampler", "sampler_bitmask")
 
 
