@@ -4,6 +4,8 @@
 # (120b and 20b), alternating patched and unpatched ROUNDS times (the compile cache makes every
 # round after the first two quick). The tree is left as it was found.
 # Usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS (3)] [TESTS (-k expression, "" to skip)]
+# TOKENS (default 1) and CHECKS (default 1; 0 for an ablation whose values are wrong on purpose) in
+# the environment are bench/moe.py's --tokens and --checks.
 set -u
 patch_file=${1:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
 out=${2:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
@@ -26,7 +28,7 @@ for r in $(seq 1 "$rounds"); do
   for side in patched main; do
     if [ "$side" = main ] && [ "$applied" = 1 ]; then patch -s --no-backup-if-mismatch -R -p1 < "$patch_file"; applied=0; fi
     if [ "$side" = patched ] && [ "$applied" = 0 ]; then patch -s --no-backup-if-mismatch -p1 < "$patch_file"; applied=1; fi
-    timeout 150 python3 bench/moe.py --models 120b,20b --tokens 1 --no-stock --checks 1 --reps 12 \
+    timeout 150 python3 bench/moe.py --models 120b,20b --tokens "${TOKENS:-1}" --no-stock --checks "${CHECKS:-1}" --reps 12 \
       --out "$out/${side}_$r" 2>&1 | grep -E "^ *(120b|20b) |rror|FAIL"
     echo "$side round $r: $(( $(date +%s) - t0 )) s"
   done
