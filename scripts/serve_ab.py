@@ -4,8 +4,7 @@
 model worker process, its scheduler, our API process), through its decode probe (`GET /bench`,
 `--enable-bench`). Each variant is a string of extra `serve` flags ("" for none), after any
 `NAME=value` words for that server's environment (`"GPTOSS_MAX_REPLAY_GRAPHS=all --replay-small-graphs"`).
-Variants run in
-turn, round after round: per round each variant's server starts, answers `--repeats` probes of `--n`
+Variants run in turn, round after round: per round each variant's server starts, answers `--repeats` probes of `--n`
 concurrent requests decoding exactly `--tokens` tokens, and stops. So variants alternate, and a slow
 stretch of the host lands on either. A start that would run past `--deadline` is skipped, and says so.
 

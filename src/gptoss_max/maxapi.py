@@ -343,11 +343,10 @@ class ReplayedModel:
         return outputs
 
     def _execute(self, inputs: tuple[Any, ...]) -> list[Any]:
-        if self.replay_if is not None and not self.replay_if(inputs):
+        held = self.replay_if is not None and not self.replay_if(inputs)
+        if held:
             self.counts["held"] += 1
-            self.counts["eager"] += 1
-            return self.model.execute(*inputs)
-        key = self.key(inputs)
+        key = None if held else self.key(inputs)  # held: eager, neither captured nor counted towards it
         entry = self.graphs.get(key) if key is not None else None
         if entry is None and key is not None and key not in self.refused and len(self.graphs) < self.max_graphs:
             if len(self.seen) >= self.SEEN_LIMIT and key not in self.seen:
@@ -445,9 +444,11 @@ def replay_overlap_graphs(pipeline: Any, names: Sequence[str] | None = None, **k
         """Whether the scatter's inputs hold the previous tokens where a replayed sampler wrote them.
         Replayed on an eager sampler's tokens, the scatter crashed the server's worker on an H200;
         with both replayed, or both eager, it passed (bench/NOTES.md, "Sixteenth session")."""
-        samplers = [getattr(pipeline, attr, None) for attr, _ in sampler_attrs]
-        ptrs = set().union(*(s.output_ptrs for s in samplers if isinstance(s, ReplayedModel)))
-        return any(b._data_ptr() in ptrs for b in inputs if hasattr(b, "_data_ptr"))
+        samplers = [
+            s for s in (getattr(pipeline, attr, None) for attr, _ in sampler_attrs) if isinstance(s, ReplayedModel)
+        ]
+        ptrs = [b._data_ptr() for b in inputs if hasattr(b, "_data_ptr")]
+        return any(p in s.output_ptrs for s in samplers for p in ptrs)
 
     realize = getattr(pipeline, "_realize_future_token_processor", None)
     graph = getattr(realize, "_graph", None) if "realize_future_token" in wanted else None

@@ -53,7 +53,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "batch size at start-up). auto (the default): on when serving on a GPU without "
                         "--deterministic, off otherwise; on (also the bare flag) refuses a CPU. Synthetic 20b, "
                         "batch 1, H200: ~186 tok/s without, ~590 with (bench/results/e2e_h200_*)")  # fmt: skip
-    p.add_argument("--replay-small-graphs", nargs="?", const="on", default="off", choices=REPLAY_CHOICES,
+    p.add_argument("--replay-small-graphs", nargs="?", const="on", default="off", choices=settings.REPLAY_MODES,
                    help="with graph capture: the per-step samplers replay device graphs too (maxapi.ReplayedModel; "
                         "GPTOSS_MAX_REPLAY_GRAPHS adds the token scatter, which crashed the worker on an H200). on "
                         "(also the bare flag); check: and each replay is compared with an eager call, mismatches "
@@ -72,7 +72,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 GRAPH_CAPTURE_CHOICES = ("auto", "on", "off")
-REPLAY_CHOICES = settings.REPLAY_MODES
 
 
 def graph_capture_wanted(choice: str | bool, on_gpu: bool) -> bool:

@@ -48,10 +48,11 @@ def _publish(kv_manager: Any, path: Path, interval: float) -> None:
 
 class ProbedFactory:
     """MAX's pipeline factory, plus the publishing thread once the pipeline exists (in the worker);
-    with `replay_small_graphs` on or check, the overlap pipeline's sampler and token scatter
-    wrapped to replay device graphs (`maxapi.replay_overlap_graphs`; check: each replay also
-    compared with an eager call); with `isolate`, the thread that builds the pipeline (the worker's
-    scheduler thread, which runs every step) on a CPU core of its own (`affinity`)."""
+    with `replay_small_graphs` on or check, the overlap pipeline's small per-step graphs
+    (`GPTOSS_MAX_REPLAY_GRAPHS`: the samplers by default) wrapped to replay device graphs
+    (`maxapi.replay_in_mode`; check: each replay also compared with an eager call); with
+    `isolate`, the thread that builds the pipeline (the worker's scheduler thread, which runs every
+    step) on a CPU core of its own (`affinity`)."""
 
     def __init__(
         self,
