@@ -606,14 +606,27 @@ def gate_up_kernel[
     var odd = (g & 1) != 0
     var big = False
     var first = 0
+    # v29: an expert with at most LEAN_PAIRS pairs takes the lean two-token tile
+    comptime lean_ok = not one_token and not split and LEAN_PAIRS > 0
+    var xsb = stack_allocation[
+        2 * LEAN_PAIR_X_WORDS if lean_ok else 4, UInt32, alignment=16, address_space=AddressSpace.SHARED
+    ]()
+    var lean = lean_ok and npairs_e <= LEAN_PAIRS
     while first < npairs_e:
         var has_tok = first + g < npairs_e
         var p = Int(plist[first + g]) if has_tok else 0
         var xrow = x.unsafe_offset((p // top_k) * hidden).unsafe_bitcast[UInt32]()
         comptime amode = A_F32 if split else A_BF16
-        var acc = _tile16[amode](
-            w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, sm, big, first == 0, 0, nchunks, xrow, 0
-        )
+        var acc = SIMD[DType.float32, 4](0)
+        comptime if lean_ok:
+            if lean:
+                var x0 = x.unsafe_offset((Int(plist[0]) // top_k) * hidden).unsafe_bitcast[UInt32]()
+                var x1 = x.unsafe_offset((Int(plist[min(1, npairs_e - 1)]) // top_k) * hidden).unsafe_bitcast[UInt32]()
+                acc = _lean_pair_tile[threads](blocks, scales, e, rows, r0, nchunks, x0, x1, npairs_e > 1, sm, xsb)
+        if not lean:
+            acc = _tile16[amode](
+                w_a, w_b, s_a, s_b, s_tile, min(16, rows - r0) * nchunks, sm, big, first == 0, 0, nchunks, xrow, 0
+            )
         # Rows g (gate, g even) and g ^ 1 (up) sit in lanes l and l ^ 4: the
         # even lane keeps token 2q, the odd one token 2q + 1.
         var got0 = shuffle_xor(acc[0] if odd else acc[1], UInt32(4))
@@ -768,18 +781,20 @@ def _lean_rest(bias: Int32) -> Float32:
 
 @always_inline
 def _lean_batch[
-    ring: Int, //, big: Bool, slot: Int
+    ring: Int, n: Int, //, big: Bool, slot: Int
 ](
     wv: Array[SIMD[DType.uint32, 4], ring],
     sv: Array[UInt32, ring],
-    mut part: SIMD[DType.float32, 2],
+    mut part: SIMD[DType.float32, n],
     xb: SharedU32,
     bias: Int32,
 ):
-    """One batch for one token: each mma's A words placed (no scale) just
-    before it, its B words (this lane's x block, or the zero block) read from
-    shared memory, LEAN_CHAINS chains from zero; then column 2q (block q's
-    sums of rows g and g + 8) times the block's scales, into part."""
+    """One batch for one token (n = 2) or two (n = 4, v29): each mma's A
+    words placed (no scale) just before it, its B words (this lane's x block,
+    or the zero block) read from shared memory, LEAN_CHAINS chains from zero;
+    then column 2q (block q's sums of rows g and g + 8; with two tokens also
+    column 2q + 1, the second token's) times the block's scales, into part
+    (rows g, g + 8 of the first token, then of the second)."""
     comptime i = 2 * slot
     var d = Array[SIMD[DType.float32, 4], LEAN_CHAINS](fill=0)
     comptime for t in range(8):
@@ -796,16 +811,26 @@ def _lean_batch[
         var b = bitcast[DType.bfloat16, 4](xb.unsafe_load[width=2, alignment=8](2 * t))
         comptime c = t % LEAN_CHAINS
         mma(d[c], a, b, d[c])
-    var col = SIMD[DType.float32, 2](d[0][0], d[0][2])
-    comptime for c in range(1, LEAN_CHAINS):
-        col += SIMD[DType.float32, 2](d[c][0], d[c][2])
-    var sc = SIMD[DType.float32, 2](_lean_mult[big](sv[i], bias), _lean_mult[big](sv[i + 1], bias))
-    part = col.fma(sc, part)
+    comptime assert n == 2 or n == 4, "one token or two"
+    comptime if n == 2:
+        var col = SIMD[DType.float32, 2](d[0][0], d[0][2])
+        comptime for c in range(1, LEAN_CHAINS):
+            col += SIMD[DType.float32, 2](d[c][0], d[c][2])
+        var sc = SIMD[DType.float32, 2](_lean_mult[big](sv[i], bias), _lean_mult[big](sv[i + 1], bias))
+        part = rebind[SIMD[DType.float32, n]](col.fma(sc, rebind[SIMD[DType.float32, 2]](part)))
+    else:
+        var col = SIMD[DType.float32, 4](d[0][0], d[0][2], d[0][1], d[0][3])
+        comptime for c in range(1, LEAN_CHAINS):
+            col += SIMD[DType.float32, 4](d[c][0], d[c][2], d[c][1], d[c][3])
+        var s_g = _lean_mult[big](sv[i], bias)
+        var s_g8 = _lean_mult[big](sv[i + 1], bias)
+        var sc = SIMD[DType.float32, 4](s_g, s_g8, s_g, s_g8)
+        part = rebind[SIMD[DType.float32, n]](col.fma(sc, rebind[SIMD[DType.float32, 4]](part)))
 
 
 @always_inline
 def _lean_loop[
-    ring: Int, //, big: Bool
+    ring: Int, //, big: Bool, n: Int = 2
 ](
     mut wv: Array[SIMD[DType.uint32, 4], ring],
     mut sv: Array[UInt32, ring],
@@ -818,14 +843,14 @@ def _lean_loop[
     xb0: SharedU32,
     xstep: Int,
     bias: Int32,
-) -> SIMD[DType.float32, 2]:
+) -> SIMD[DType.float32, n]:
     """_tile_loop with _lean_batch over a ring of ring / 2 batches (batches
     0 .. ring / 2 - 2 already in flight; batch b's B words at xb0 + b *
-    xstep): this lane's share of rows g and g + 8."""
+    xstep): this lane's share of rows g and g + 8 (n = 4: of two tokens)."""
     comptime depth = ring // 2
     var q = Int(lane_id()) & 3
     var nb = (nchunks + 3) // 4
-    var part = SIMD[DType.float32, 2](0)
+    var part = SIMD[DType.float32, n](0)
     var bt = 0
     while bt < nb:
         comptime for i in range(depth):
@@ -936,6 +961,108 @@ def _lean_tile[
         part[0] += shuffle_xor(part[0], UInt32(1 << m))
         part[1] += shuffle_xor(part[1], UInt32(1 << m))
     return SIMD[DType.float32, 4](part[0], part[0], part[1], part[1])
+
+
+# ------------------------------------------------------------ v29: lean tiles for two tokens
+#
+# v25's block-diagonal B feeds one token to mma's columns 2q; the odd columns
+# 2q + 1 are spare, so a second token's activations there are summed by the
+# same mma (D's registers 1 and 3). One decode then serves two tokens: an
+# expert with at most LEAN_PAIRS routed pairs in a multi-token step runs the
+# lean loop (no bf16 scale multiply, activations from shared memory) instead
+# of the 8-token pass with its scaled decode. The activations are staged once
+# per block (every warp of a block serves the same expert and pairs).
+comptime LEAN_PAIRS = 2
+comptime LEAN_PAIR_X_WORDS = (MAX_K_BLOCKS + 1) * LEAN_X_STRIDE  # one token's staged row and its zero block
+
+
+@always_inline
+def _stage_x_block[threads: Int](xrow: Pointer[UInt32, _], nloc: Int, nslots: Int, xs: SharedU32):
+    """Block-wide _stage_x_words for blocks 0 .. nloc - 1 of xrow (no
+    barrier: the caller's)."""
+    comptime m = UInt32((LEAN_X_POW + 127) << 7)
+    var mult = bitcast[DType.bfloat16, 2](m | (m << 16))
+    for j in range(Int(thread_idx.x), nslots + 1, threads):
+        var hi = SIMD[DType.uint32, 16](0)
+        if j < nloc:
+            hi = _load_a[A_BF16](xrow, 0, j)[0]
+        var d = xs + j * LEAN_X_STRIDE
+        comptime for v4 in range(4):
+            var v = SIMD[DType.uint32, 4](0)
+            comptime for z in range(4):
+                v[z] = scaled_pair(hi[4 * v4 + z], mult)
+            d.unsafe_store[width=4, alignment=16](4 * v4, v)
+
+
+@always_inline
+def _lean_pair_tile[
+    threads: Int
+](
+    blocks: Pointer[UInt8, ImmutAnyOrigin],
+    scales: Pointer[UInt8, ImmutAnyOrigin],
+    e: Int,
+    rows: Int,
+    r0: Int,
+    nchunks: Int,
+    xrow0: Pointer[UInt32, _],
+    xrow1: Pointer[UInt32, _],
+    two: Bool,
+    sm: SharedU8,
+    xs: SharedU32,
+) -> SIMD[DType.float32, 4]:
+    """Block-wide (every warp of the block, each on its own 16-row tile r0 of
+    expert e, over all nchunks blocks of K): one or two tokens' rows (xrow0,
+    and xrow1 when two) as bf16 pair words. sm is the warp's scale bytes (16
+    * nchunks), xs the block's 2 * LEAN_PAIR_X_WORDS words. Returns, in every
+    lane, rows g and g + 8 as gate_up_kernel's fragment of token pass columns
+    0 and 1: (token 0 row g, token 1 row g, token 0 row g + 8, token 1 row g
+    + 8)."""
+    var lane = Int(lane_id())
+    var g = lane >> 2
+    var q = lane & 3
+    var nb = (nchunks + 3) // 4
+    var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
+    var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
+    var sv = Array[UInt32, RING](fill=0)
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _load_batch[i](wv, rp[0], rp[1], 0, nchunks, i, q)
+    # While those fly: the tile's scales (this warp's) and the tokens' x (the block's).
+    var big = _stage_scales[LEAN_BIG_S](rp[4], 16 * nchunks, sm)
+    var xs1 = xs + LEAN_PAIR_X_WORDS
+    _stage_x_block[threads](xrow0, nchunks, 4 * nb, xs)
+    if two:
+        _stage_x_block[threads](xrow1, nchunks, 4 * nb, xs1)
+    barrier()
+    var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
+    var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
+    comptime for i in range(DEPTH - 1):
+        if i < nb:
+            _read_scales[i](sv, ss_g, ss_g8, 0, nchunks, i, q)
+    # B block diagonal: lane (g, q) feeds column 2q with token 0's block q,
+    # column 2q + 1 with token 1's (with one token, its zero block); the
+    # other lanes read token 0's zero block
+    var zero = xs + 4 * nb * LEAN_X_STRIDE
+    var xb0 = zero
+    var xstep = 0
+    if g == 2 * q:
+        xb0 = xs + q * LEAN_X_STRIDE
+        xstep = 4 * LEAN_X_STRIDE
+    elif g == 2 * q + 1 and two:
+        xb0 = xs1 + q * LEAN_X_STRIDE
+        xstep = 4 * LEAN_X_STRIDE
+    var part: SIMD[DType.float32, 4]
+    if big:
+        var bias = _lean_bias(sm, 16 * nchunks)
+        part = _lean_loop[True, 4](wv, sv, rp[0], rp[1], ss_g, ss_g8, 0, nchunks, xb0, xstep, bias)
+        part *= _lean_rest(bias)
+    else:
+        part = _lean_loop[False, 4](wv, sv, rp[0], rp[1], ss_g, ss_g8, 0, nchunks, xb0, xstep, Int32(LEAN_BIAS))
+    # the quad's four blocks of each batch
+    comptime for m in range(2):
+        comptime for j in range(4):
+            part[j] += shuffle_xor(part[j], UInt32(1 << m))
+    return SIMD[DType.float32, 4](part[0], part[2], part[1], part[3])
 
 
 @always_inline
@@ -1133,27 +1260,40 @@ def down_kernel[
     var hw = h.unsafe_bitcast[UInt32]()
     var big = False
     var first = 0
+    # v29: an expert with at most LEAN_PAIRS pairs takes the lean two-token tile
+    comptime lean_ok = ksplit == 1 and not split and LEAN_PAIRS > 0
+    var xsb = stack_allocation[
+        2 * LEAN_PAIR_X_WORDS if lean_ok else 4, UInt32, alignment=16, address_space=AddressSpace.SHARED
+    ]()
+    var lean = lean_ok and npairs_e <= LEAN_PAIRS
     while first < npairs_e:
         var has_tok = first + g < npairs_e
         var p = Int(plist[first + g]) if has_tok else 0
         # row p of h: I f32 = I/2 hi pair words, then I/2 lo pair words
         var hrow = hw.unsafe_offset(p * inter + kc0 * 16)
         comptime amode = A_WORDS_SPLIT if split else A_WORDS
-        var acc = _tile16[amode](
-            w_a,
-            w_b,
-            s_a,
-            s_b,
-            s_tile,
-            min(16, hidden - r0) * nchunks,  # all the tile's scales (one contiguous run)
-            sm,
-            big,
-            first == 0,
-            kc0,
-            nloc,
-            hrow,
-            inter // 2,
-        )
+        var acc = SIMD[DType.float32, 4](0)
+        comptime if lean_ok:
+            if lean:
+                var h0 = hw.unsafe_offset(Int(plist[0]) * inter)
+                var h1 = hw.unsafe_offset(Int(plist[min(1, npairs_e - 1)]) * inter)
+                acc = _lean_pair_tile[threads](blocks, scales, e, hidden, r0, nchunks, h0, h1, npairs_e > 1, sm, xsb)
+        if not lean:
+            acc = _tile16[amode](
+                w_a,
+                w_b,
+                s_a,
+                s_b,
+                s_tile,
+                min(16, hidden - r0) * nchunks,  # all the tile's scales (one contiguous run)
+                sm,
+                big,
+                first == 0,
+                kc0,
+                nloc,
+                hrow,
+                inter // 2,
+            )
         comptime if ksplit > 1:
             var mine = red + (Int(warp_id()) * 32 + lane) * 4
             if kw != 0:
