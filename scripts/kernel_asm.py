@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 SPEC = re.compile(r"^(\w+)\.(\w+)(\[.*\])?$")
@@ -106,32 +107,90 @@ def opcode_counts(sass: str) -> collections.Counter:
     return counts
 
 
+def _opcode(text: str) -> str:
+    """The opcode of one instruction's text (its predicate dropped)."""
+    m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+    return m.group(1) if m else ""
+
+
 _INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 MMA_OPS = ("HMMA", "HGMMA")  # mma.sync, wgmma
 
 
-def loops(sass: str, needs: tuple[str, ...] = MMA_OPS) -> list[tuple[str, collections.Counter]]:
-    """Each backward branch's loop (label .. branch) whose body holds one of the `needs` opcodes
-    (by default a tensor-core op, mma.sync or wgmma): the loop's label and the opcode counts of its
-    body (nested loops are reported whole, each)."""
-    body: list[str] = []  # one line per instruction, labels kept in place
+class Control(NamedTuple):
+    """One SASS instruction's scheduling controls (sm_70 and later: the top 23 bits of its 128-bit
+    word). A variable-latency instruction (a load, a shared-memory access) increments scoreboard
+    `write` (0-5; None: none) until its result is in its register; an instruction that waits on a
+    scoreboard (`wait`, a set) stalls until that scoreboard's count is zero, i.e. until every
+    instruction still counted on it has landed, not only the one whose result it reads."""
+
+    text: str
+    stall: int
+    write: int | None
+    read: int | None
+    wait: frozenset[int]
+
+
+_HEX_PAIR = re.compile(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;?\s*/\* 0x([0-9a-f]{16}) \*/\s*\n\s*/\* 0x([0-9a-f]{16}) \*/")
+
+
+def controls(hex_sass: str) -> list[Control]:
+    """The instructions of `nvdisasm -hex` output with their decoded controls, in order (labels
+    dropped)."""
+    found = []
+    for m in _HEX_PAIR.finditer(hex_sass):
+        c = int(m.group(3), 16) >> 41
+        wr, rd = (c >> 5) & 7, (c >> 8) & 7
+        found.append(Control(text=m.group(1).strip().rstrip(";").strip(), stall=c & 15,
+                             write=None if wr == 7 else wr, read=None if rd == 7 else rd,
+                             wait=frozenset(b for b in range(6) if c >> (11 + b) & 1)))  # fmt: skip
+    return found
+
+
+def load_scoreboards(body: list[Control]) -> tuple[dict[int, int], int]:
+    """Of a loop body: how many global loads (LDG) count on each scoreboard, and how many of its
+    instructions wait on one of those scoreboards. With every load on one scoreboard, a wait for
+    one batch's registers is a wait for every batch then in flight: a register ring deeper than
+    two batches then keeps nothing in flight at its waits."""
+    ldg = collections.Counter(c.write for c in body if _opcode(c.text).startswith("LDG") and c.write is not None)
+    return dict(sorted(ldg.items())), sum(1 for c in body if c.wait & set(ldg))
+
+
+def _loop_bodies(sass: str, needs: tuple[str, ...], with_next: bool = False) -> list[tuple[str, str]]:
+    """Each backward branch's loop (label .. branch) whose body holds one of the `needs` opcodes: its
+    label and its instruction lines (each with the line after it, with_next: `nvdisasm -hex`'s
+    second word)."""
+    body: list[str] = []  # one entry per instruction, labels kept in place
     labels: dict[str, int] = {}
-    for line in sass.splitlines():
+    lines = sass.splitlines()
+    for i, line in enumerate(lines):
         m = re.match(r"\s*(\.L_x_\d+):", line)
         if m:
             labels[m.group(1)] = len(body)
         elif _INSTR.match(line):
-            body.append(line)
+            body.append(line + "\n" + lines[i + 1] if with_next and i + 1 < len(lines) else line)
     found = []
     for i, line in enumerate(body):
         m = re.search(r"BRA.*\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i + 1) <= i:
-            counts = opcode_counts("\n".join(body[labels[m.group(1)] : i + 1]))
-            if any(counts.get(op) for op in needs):
-                found.append((m.group(1), counts))
+            text = "\n".join(body[labels[m.group(1)] : i + 1])
+            if any(opcode_counts(text).get(op) for op in needs):
+                found.append((m.group(1), text))
     return found
+
+
+def loops(sass: str, needs: tuple[str, ...] = MMA_OPS) -> list[tuple[str, collections.Counter]]:
+    """Each backward branch's loop (label .. branch) whose body holds one of the `needs` opcodes
+    (by default a tensor-core op, mma.sync or wgmma): the loop's label and the opcode counts of its
+    body (nested loops are reported whole, each)."""
+    return [(label, opcode_counts(text)) for label, text in _loop_bodies(sass, needs)]
+
+
+def control_loops(hex_sass: str, needs: tuple[str, ...] = MMA_OPS) -> list[tuple[str, list[Control]]]:
+    """loops() of `nvdisasm -hex` output: each loop's label and its instructions' controls."""
+    return [(label, controls(text)) for label, text in _loop_bodies(hex_sass, needs, with_next=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvdisasm", help="nvdisasm binary (needs --ptxas): SASS and its opcode counts")
     ap.add_argument("--loops", action="store_true",
                     help="with --nvdisasm: also the opcode counts of every mma loop (HMMA, HGMMA)")  # fmt: skip
+    ap.add_argument("--controls", action="store_true",
+                    help="with --nvdisasm: write each kernel's SASS with its decoded scheduling controls "
+                    "(.ctrl.sass: stall, write / read scoreboard, waits) and, with --loops, the "
+                    "scoreboards each mma loop's global loads count on")  # fmt: skip
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +234,23 @@ def main(argv: list[str] | None = None) -> int:
                     top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
                     mmas = ", ".join(f"{op} {counts[op]}" for op in MMA_OPS if counts[op])
                     print(f"    loop {label}: {sum(counts.values())} instructions, {mmas}: {top}")
+            if args.controls:
+                hex_sass = subprocess.run([args.nvdisasm, "-c", "-hex", str(stem.with_suffix(".cubin"))],
+                                          capture_output=True, text=True).stdout  # fmt: skip
+                stem.with_suffix(".ctrl.sass").write_text("".join(f"{_control_line(c)}\n" for c in controls(hex_sass)))
+                if args.loops:
+                    for label, body in control_loops(hex_sass):
+                        per_board, waits = load_scoreboards(body)
+                        held = ", ".join(f"SB{b}: {n}" for b, n in per_board.items()) or "none"
+                        print(f"    loop {label}: global loads by scoreboard {held}; {waits} waits on those")
     return 0
+
+
+def _control_line(c: Control) -> str:
+    wait = "".join(str(b) for b in sorted(c.wait))
+    write = "" if c.write is None else f"W{c.write}"
+    read = "" if c.read is None else f"R{c.read}"
+    return f"s{c.stall:<2} {write:3} {read:3} wait[{wait:6}] {c.text}"
 
 
 if __name__ == "__main__":

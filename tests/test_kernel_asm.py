@@ -192,6 +192,37 @@ def test_loops_count_the_body_of_each_mma_loop(asm):
     assert asm.loops(sass, needs=("HMMA",)) == [got]
 
 
+def test_controls_decode_the_scoreboards_of_nvdisasm_hex(asm):
+    # Lines of `nvdisasm -hex` for the multi-token gate_up's ring loop (sm_90a, ptxas 12): the next
+    # batch's weight load counts on scoreboard 5, a scale byte from shared memory on 0, and the
+    # first decode of that batch (R39 is one of its registers) waits on 5. The LDG's second word
+    # 0x000f6a000c5e9d00 >> 41 = 0x7b5: stall 5, write barrier 5, no read barrier, no waits.
+    hex_sass = """
+.L_x_96:
+        /*c6a0*/                   LDG.E.NA.128.CONSTANT R40, desc[UR14][R40.64] ;                    /* 0x0000000e28287981 */
+                                                                                                      /* 0x000f6a000c5e9d00 */
+        /*c700*/                   LDS.U8 R104, [R104] ;                                              /* 0x0000000068687984 */
+                                                                                                      /* 0x000e280000000000 */
+        /*c740*/                   HMMA.16816.F32.BF16 R48, R68, R72, R48 ;                           /* 0x000000484430723c */
+                                                                                                      /* 0x000fe20000041830 */
+        /*ce90*/                   SHF.L.W.U32.HI R12, R39, 0x16, R39 ;                               /* 0x00000016270c7819 */
+                                                                                                      /* 0x020fe40000010e27 */
+        /*dab0*/              @!P1 BRA `(.L_x_96) ;                                                   /* 0xffffffe800089947 */
+                                                                                                      /* 0x000fea000383ffff */
+    """  # noqa: E501
+    ldg, lds, hmma, shf, bra = asm.controls(hex_sass)
+    assert ldg == asm.Control("LDG.E.NA.128.CONSTANT R40, desc[UR14][R40.64]", stall=5, write=5, read=None,
+                              wait=frozenset())  # fmt: skip
+    assert (lds.write, lds.wait) == (0, frozenset())
+    assert (hmma.write, hmma.read, hmma.wait) == (None, None, frozenset())
+    assert (shf.text, shf.write, shf.wait) == ("SHF.L.W.U32.HI R12, R39, 0x16, R39", None, frozenset({5}))
+    assert bra.text == "@!P1 BRA `(.L_x_96)"
+    ((label, body),) = asm.control_loops(hex_sass)
+    assert label == ".L_x_96" and [c.text for c in body] == [c.text for c in (ldg, lds, hmma, shf, bra)]
+    # one global load, on scoreboard 5, and one instruction that waits on it
+    assert asm.load_scoreboards(body) == ({5: 1}, 1)
+
+
 def test_ptx_of_the_fused_one_token_moe(asm, tmp_path):
     """v27 (moe_fused_gpu.mojo, a probe): gate_up and down of a one-token step in one grid of
     12-warp blocks, two per SM, with no spill (ptxas of the test extras' nvcc wheel); blocks take
