@@ -107,13 +107,14 @@ def opcode_counts(sass: str) -> collections.Counter:
     return counts
 
 
+_OPCODE = r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"  # an instruction's opcode, after its predicate if any
+_INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+" + _OPCODE)
+
+
 def _opcode(text: str) -> str:
     """The opcode of one instruction's text (its predicate dropped)."""
-    m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+    m = re.match(_OPCODE, text)
     return m.group(1) if m else ""
-
-
-_INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 MMA_OPS = ("HMMA", "HGMMA")  # mma.sync, wgmma

@@ -57,8 +57,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with graph capture: the per-step samplers replay device graphs too (maxapi.ReplayedModel; "
                         "GPTOSS_MAX_REPLAY_GRAPHS adds the token scatter, which crashed the worker on an H200). on "
                         "(also the bare flag); check: and each replay is compared with an eager call, mismatches "
-                        "logged (slow). Off by default: on an H200 at temperature 1 it was slower, 369 against 550 "
-                        "tok/s (bench/NOTES.md, \"Sixteenth session\")")  # fmt: skip
+                        "logged (slow). Off by default: on an H200 at batch 1 it did not raise tok/s (577 against "
+                        "577; bench/NOTES.md, \"Seventeenth session\")")  # fmt: skip
     p.add_argument("--isolate-scheduler-thread", action="store_true",
                    help="Linux: the model worker's scheduler thread (which runs every step's host work) gets a CPU "
                         "core of its own; the worker's other threads, later ones too, are kept off it. In the e2e "
