@@ -721,6 +721,7 @@ def _lean_scale_bytes(ks: Int) -> Int:
 
 # independent mma accumulator chains per batch (1, 2, 4 or 8: 8 mmas a batch)
 comptime LEAN_CHAINS = 2
+comptime LEAN_DEPTH = 2  # the one-token gate_up's ring (batches; loaded and decoded in halves)
 comptime LEAN_X_POW = 64
 comptime LEAN_BIAS = 126 - LEAN_X_POW
 comptime LEAN_BIG_S = 128 + LEAN_X_POW
@@ -844,22 +845,40 @@ def _lean_loop[
     xstep: Int,
     bias: Int32,
 ) -> SIMD[DType.float32, n]:
-    """_tile_loop with _lean_batch over a ring of ring / 2 batches (batches
-    0 .. ring / 2 - 2 already in flight; batch b's B words at xb0 + b *
-    xstep): this lane's share of rows g and g + 8 (n = 4: of two tokens)."""
+    """_tile_loop with _lean_batch over a ring of ring / 2 batches, loaded
+    and decoded in groups of half the ring (batches 0 .. ring / 4 - 1 already
+    in flight; batch b's B words at xb0 + b * xstep): this lane's share of
+    rows g and g + 8 (n = 4: of two tokens). ptxas counts every weight load
+    on one scoreboard, so a wait for one batch is a wait for all in flight;
+    a group is waited for together, then the next group is issued, and then
+    the group decoded, with that next group in flight."""
     comptime depth = ring // 2
+    comptime group = depth // 2
+    comptime assert depth == 2 * group, "an even ring of batches"
     var q = Int(lane_id()) & 3
     var nb = (nchunks + 3) // 4
     var part = SIMD[DType.float32, n](0)
     var bt = 0
     while bt < nb:
-        comptime for i in range(depth):
-            if bt + i < nb:
-                if bt + i + depth - 1 < nb:
-                    comptime nxt = (i + depth - 1) % depth
-                    _load_batch[nxt](wv, w_g, w_g8, c0, nchunks, bt + i + depth - 1, q)
-                    _read_scales[nxt](sv, s_g, s_g8, c0, nchunks, bt + i + depth - 1, q)
-                _lean_batch[big, i](wv, sv, part, xb0 + (bt + i) * xstep, bias)
+        comptime for h in range(2):
+            comptime cur = h * group
+            comptime nxt = (1 - h) * group
+            if bt + cur < nb:
+                # the next group's loads after the wait for this one's: their
+                # index depends on its last word through a zero ptxas cannot
+                # fold (nb < 2^30), else it issues them first and then waits
+                # for both groups together
+                var nxt_bt = bt
+                comptime if group > 1:
+                    nxt_bt += Int(wv[2 * (cur + group - 1) + 1][3] & UInt32(nb >> 30))
+                comptime for j in range(group):
+                    if bt + cur + group + j < nb:
+                        _load_batch[nxt + j](wv, w_g, w_g8, c0, nchunks, nxt_bt + cur + group + j, q)
+                        _read_scales[nxt + j](sv, s_g, s_g8, c0, nchunks, bt + cur + group + j, q)
+                _lean_batch[big, cur](wv, sv, part, xb0 + (bt + cur) * xstep, bias)
+                comptime for j in range(1, group):
+                    if bt + cur + j < nb:
+                        _lean_batch[big, cur + j](wv, sv, part, xb0 + (bt + cur + j) * xstep, bias)
         bt += depth
     return part
 
@@ -909,9 +928,10 @@ def _lean_tile[
     32 * nchunks] over its blocks kc0 .. kc0 + nloc - 1, times the bf16
     activation row xrow (as pair words). sm (_lean_scale_bytes(ks) bytes,
     when ks warps split K) and xs (_lean_x_words(ks) words) are the warp's own
-    shared memory; a ring of depth batches (depth - 1 in flight while one is
-    decoded). wait (flag, target): see the staging of x below; flag is not
-    read with WAIT_NONE. WAIT_PDL: the warp waits for the previous grid
+    shared memory; a ring of depth batches, loaded and decoded in halves
+    (depth / 2 in flight while depth / 2 are decoded: _lean_loop). wait
+    (flag, target): see the staging of x below; flag is not read with
+    WAIT_NONE. WAIT_PDL: the warp waits for the previous grid
     only once its first weights and its scales are on their way, just
     before it stages x (which that grid wrote). Returns the fragment of rows
     g (c0, c1) and g + 8 (c2, c3), every column the token."""
@@ -922,7 +942,7 @@ def _lean_tile[
     var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
     var wv = Array[SIMD[DType.uint32, 4], 2 * depth](fill=0)
     var sv = Array[UInt32, 2 * depth](fill=0)
-    comptime for i in range(depth - 1):
+    comptime for i in range(depth // 2):
         if i < nb:
             _load_batch[i](wv, rp[0], rp[1], kc0, nloc, i, q)
     # While those fly: this warp's part of the tile's scales (the 32-byte
@@ -941,7 +961,7 @@ def _lean_tile[
     _stage_x_words[wait == WAIT_FLAG](xrow, kc0, nloc, 4 * nb, xs)
     var ss_g = sm + (Int(rp[2]) - Int(rp[4]) - s0)
     var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]) - s0)
-    comptime for i in range(depth - 1):
+    comptime for i in range(depth // 2):
         if i < nb:
             _read_scales[i](sv, ss_g, ss_g8, kc0, nloc, i, q)
     # B is block diagonal: lane (g, q) feeds column g = 2q with its block's x,
@@ -973,6 +993,11 @@ def _lean_tile[
 # of the 8-token pass with its scaled decode. The activations are staged once
 # per block (every warp of a block serves the same expert and pairs).
 comptime LEAN_PAIRS = 2
+# Their ring (batches; loaded and decoded in halves, two batches in flight): 4
+# is 5-10 % faster than 2 on the H200 at T = 2..64 and 8 loses at T >= 8
+# (bench/NOTES.md, eighteenth session). The one-token kernels keep 2 (LEAN_DEPTH,
+# DOWN1_DEPTH): at their 80-register cap depth 4 spills and is 3-6 % slower.
+comptime LEAN_PAIR_DEPTH = 4
 comptime LEAN_PAIR_X_WORDS = (MAX_K_BLOCKS + 1) * LEAN_X_STRIDE  # one token's staged row and its zero block
 
 
@@ -1022,9 +1047,9 @@ def _lean_pair_tile[
     var q = lane & 3
     var nb = (nchunks + 3) // 4
     var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
-    var wv = Array[SIMD[DType.uint32, 4], RING](fill=0)
-    var sv = Array[UInt32, RING](fill=0)
-    comptime for i in range(DEPTH - 1):
+    var wv = Array[SIMD[DType.uint32, 4], 2 * LEAN_PAIR_DEPTH](fill=0)
+    var sv = Array[UInt32, 2 * LEAN_PAIR_DEPTH](fill=0)
+    comptime for i in range(LEAN_PAIR_DEPTH // 2):
         if i < nb:
             _load_batch[i](wv, rp[0], rp[1], 0, nchunks, i, q)
     # While those fly: the tile's scales (this warp's) and the tokens' x (the block's).
@@ -1036,7 +1061,7 @@ def _lean_pair_tile[
     barrier()
     var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
     var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
-    comptime for i in range(DEPTH - 1):
+    comptime for i in range(LEAN_PAIR_DEPTH // 2):
         if i < nb:
             _read_scales[i](sv, ss_g, ss_g8, 0, nchunks, i, q)
     # B block diagonal: lane (g, q) feeds column 2q with token 0's block q,
@@ -1172,7 +1197,9 @@ def gate_up_lean_kernel[
     async_copy_commit_group()
     var acc = SIMD[DType.float32, 4](0)
     if live:
-        acc = _lean_tile(blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs, counters, 0)
+        acc = _lean_tile[LEAN_DEPTH](
+            blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs, counters, 0
+        )
     comptime if KS > 1:
         (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
