@@ -993,11 +993,15 @@ def _lean_tile[
 # of the 8-token pass with its scaled decode. The activations are staged once
 # per block (every warp of a block serves the same expert and pairs).
 comptime LEAN_PAIRS = 2
-# Their ring (batches; loaded and decoded in halves, two batches in flight): 4
-# is 5-10 % faster than 2 on the H200 at T = 2..64 and 8 loses at T >= 8
-# (bench/NOTES.md, eighteenth session). The one-token kernels keep 2 (LEAN_DEPTH,
-# DOWN1_DEPTH): at their 80-register cap depth 4 spills and is 3-6 % slower.
+# Their ring in the many-token kernels (batches; loaded and decoded in halves,
+# half the ring in flight): 4 is 6-10 % faster than 2 on the H200 at T = 2..64;
+# 8 spills at their 128-register cap and loses 12-13 % at T = 8, 64. The
+# few-token kernels (T = 2: 12 warps per SM, up to 170 registers) take 8, no
+# spill, 4 % faster than 4 at T = 2 (bench/NOTES.md, eighteenth session). The
+# one-token kernels keep 2 (LEAN_DEPTH, DOWN1_DEPTH): at their 80-register cap
+# depth 4 spills and is 3-6 % slower.
 comptime LEAN_PAIR_DEPTH = 4
+comptime LEAN_PAIR_DEPTH_FEW = 8
 comptime LEAN_PAIR_X_WORDS = (MAX_K_BLOCKS + 1) * LEAN_X_STRIDE  # one token's staged row and its zero block
 
 
@@ -1046,10 +1050,11 @@ def _lean_pair_tile[
     var g = lane >> 2
     var q = lane & 3
     var nb = (nchunks + 3) // 4
+    comptime depth = LEAN_PAIR_DEPTH if threads >= 32 * WARPS_MANY else LEAN_PAIR_DEPTH_FEW
     var rp = _tile_rows(blocks, scales, e, rows, r0, g, r0 + g < rows, r0 + g + 8 < rows, nchunks)
-    var wv = Array[SIMD[DType.uint32, 4], 2 * LEAN_PAIR_DEPTH](fill=0)
-    var sv = Array[UInt32, 2 * LEAN_PAIR_DEPTH](fill=0)
-    comptime for i in range(LEAN_PAIR_DEPTH // 2):
+    var wv = Array[SIMD[DType.uint32, 4], 2 * depth](fill=0)
+    var sv = Array[UInt32, 2 * depth](fill=0)
+    comptime for i in range(depth // 2):
         if i < nb:
             _load_batch[i](wv, rp[0], rp[1], 0, nchunks, i, q)
     # While those fly: the tile's scales (this warp's) and the tokens' x (the block's).
@@ -1061,7 +1066,7 @@ def _lean_pair_tile[
     barrier()
     var ss_g = sm + (Int(rp[2]) - Int(rp[4]))
     var ss_g8 = sm + (Int(rp[3]) - Int(rp[4]))
-    comptime for i in range(LEAN_PAIR_DEPTH // 2):
+    comptime for i in range(depth // 2):
         if i < nb:
             _read_scales[i](sv, ss_g, ss_g8, 0, nchunks, i, q)
     # B block diagonal: lane (g, q) feeds column 2q with token 0's block q,
