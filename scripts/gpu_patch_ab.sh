@@ -21,7 +21,7 @@ trap '[ "$applied" = 1 ] && patch -s --no-backup-if-mismatch -R -p1 < "$patch_fi
 t0=$(date +%s)
 rc=0
 if [ -n "$tests" ]; then
-  (cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider -s test_moe_op.py -k "$tests") > "$out/tests_patched.log" 2>&1 || rc=1
+  (cd tests && timeout 330 python3 -m pytest -q -p no:cacheprovider -s test_moe_op.py -k "$tests") > "$out/tests_patched.log" 2>&1 || rc=1
   echo "tests (patched): $(tail -1 "$out/tests_patched.log")  $(( $(date +%s) - t0 )) s"
 fi
 for r in $(seq 1 "$rounds"); do
