@@ -159,6 +159,31 @@ def load_scoreboards(body: list[Control]) -> tuple[dict[int, int], int]:
     return dict(sorted(ldg.items())), sum(1 for c in body if c.wait & set(ldg))
 
 
+def load_schedule(body: list[Control], limit: int = 16) -> str:
+    """Of a loop body: the order of its global loads (LDG), the waits on their scoreboards and its
+    mmas, runs counted: "wait · LDG 6 · HMMA 8 · wait · LDG 6 · HMMA 8" has every batch's next loads
+    issued after the wait for its own, so they fly while it is decoded; "LDG 6 · wait · HMMA 8"
+    waits for the loads it has just issued too, and decodes with nothing in flight."""
+    boards = set(load_scoreboards(body)[0])
+    steps: list[str] = []
+    for c in body:
+        op = _opcode(c.text).split(".")[0]
+        if c.wait & boards:
+            steps.append("wait")
+        if op == "LDG" or op in MMA_OPS:
+            steps.append(op)
+    runs: list[list] = []
+    for step in steps:  # consecutive waits are one: nothing was issued between them
+        if runs and runs[-1][0] == step:
+            runs[-1][1] += 1
+        else:
+            runs.append([step, 1])
+    parts = [step if step == "wait" else f"{step} {n}" for step, n in runs]
+    if len(parts) > limit:  # an outer loop, nested loops and all
+        return " · ".join(parts[:limit]) + f" · … ({len(parts)} steps)"
+    return " · ".join(parts)
+
+
 def _loop_bodies(sass: str, needs: tuple[str, ...], with_next: bool = False) -> list[tuple[str, str]]:
     """Each backward branch's loop (label .. branch) whose body holds one of the `needs` opcodes: its
     label and its instruction lines (each with the line after it, with_next: `nvdisasm -hex`'s
@@ -244,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                         per_board, waits = load_scoreboards(body)
                         held = ", ".join(f"SB{b}: {n}" for b, n in per_board.items()) or "none"
                         print(f"    loop {label}: global loads by scoreboard {held}; {waits} waits on those")
+                        print(f"    loop {label} schedule: {load_schedule(body)}")
     return 0
 
 

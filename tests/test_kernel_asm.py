@@ -221,6 +221,26 @@ def test_controls_decode_the_scoreboards_of_nvdisasm_hex(asm):
     assert label == ".L_x_96" and [c.text for c in body] == [c.text for c in (ldg, lds, hmma, shf, bra)]
     # one global load, on scoreboard 5, and one instruction that waits on it
     assert asm.load_scoreboards(body) == ({5: 1}, 1)
+    # the load is issued, then the decode waits for it: nothing else in flight
+    assert asm.load_schedule(body) == "LDG 1 · HMMA 1 · wait"
+
+
+def test_load_schedule_shows_whether_loads_fly_during_the_decode(asm):
+    c = asm.Control
+    ldg = c("LDG.E.NA.128.CONSTANT R40, desc[UR14][R40.64]", stall=1, write=5, read=None, wait=frozenset())
+    act = c("@!P1 LDG.E.128.CONSTANT R24, desc[UR14][R42.64]", stall=1, write=5, read=None, wait=frozenset())
+    mma = c("HMMA.16816.F32.BF16 R48, R68, R72, R48", stall=1, write=None, read=None, wait=frozenset())
+    dec = c("SHF.L.W.U32.HI R12, R39, 0x16, R39", stall=1, write=None, read=None, wait=frozenset({5}))
+    lds = c("LDS.U8 R104, [R104]", stall=1, write=0, read=None, wait=frozenset())
+    on_lds = c("VIMNMX.U32 R64, R104, 0x80, !PT", stall=1, write=None, read=None, wait=frozenset({0}))
+    # main's scaled loop (v32): the second half issues, then waits for everything
+    main = [dec, act, act, ldg, lds, on_lds, mma, mma, ldg, act, dec, mma, mma]
+    assert asm.load_schedule(main) == "wait · LDG 3 · HMMA 2 · LDG 2 · wait · HMMA 2"
+    # v32: the wait first in both halves (a wait on a shared-memory load is not counted)
+    fixed = [dec, act, act, ldg, lds, on_lds, mma, mma, dec, ldg, act, mma, mma]
+    assert asm.load_schedule(fixed) == "wait · LDG 3 · HMMA 2 · wait · LDG 2 · HMMA 2"
+    assert asm.load_schedule([mma, on_lds, mma]) == "HMMA 2"
+    assert asm.load_schedule([ldg, dec, dec, mma] * 3, limit=4) == "LDG 1 · wait · HMMA 1 · LDG 1 · … (9 steps)"
 
 
 def test_ptx_of_the_fused_one_token_moe(asm, tmp_path):
