@@ -151,11 +151,12 @@ def controls(hex_sass: str) -> list[Control]:
 
 
 def load_scoreboards(body: list[Control]) -> tuple[dict[int, int], int]:
-    """Of a loop body: how many global loads (LDG) count on each scoreboard, and how many of its
+    """Of a loop body: how many global loads into registers (LDG; not cp.async's LDGSTS, whose
+    data lands in shared memory and is waited for by DEPBAR) count on each scoreboard, and how many of its
     instructions wait on one of those scoreboards. With every load on one scoreboard, a wait for
     one batch's registers is a wait for every batch then in flight: a register ring deeper than
     two batches then keeps nothing in flight at its waits."""
-    ldg = collections.Counter(c.write for c in body if _opcode(c.text).startswith("LDG") and c.write is not None)
+    ldg = collections.Counter(c.write for c in body if _opcode(c.text).split(".")[0] == "LDG" and c.write is not None)
     return dict(sorted(ldg.items())), sum(1 for c in body if c.wait & set(ldg))
 
 

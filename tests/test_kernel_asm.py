@@ -240,6 +240,10 @@ def test_load_schedule_shows_whether_loads_fly_during_the_decode(asm):
     fixed = [dec, act, act, ldg, lds, on_lds, mma, mma, dec, ldg, act, mma, mma]
     assert asm.load_schedule(fixed) == "wait · LDG 3 · HMMA 2 · wait · LDG 2 · HMMA 2"
     assert asm.load_schedule([mma, on_lds, mma]) == "HMMA 2"
+    # cp.async into shared memory is not a load into registers: neither counted nor waited on
+    cp = c("LDGSTS.E.BYPASS.128 [R3], desc[UR4][R8.64]", stall=1, write=0, read=None, wait=frozenset())
+    assert asm.load_scoreboards([cp, on_lds, mma]) == ({}, 0)
+    assert asm.load_schedule([cp, on_lds, mma]) == "HMMA 1"
     assert asm.load_schedule([ldg, dec, dec, mma] * 3, limit=4) == "LDG 1 · wait · HMMA 1 · LDG 1 · … (9 steps)"
 
 
