@@ -164,7 +164,10 @@ def load_schedule(body: list[Control], limit: int = 16) -> str:
     """Of a loop body: the order of its global loads (LDG), the waits on their scoreboards and its
     mmas, runs counted: "wait · LDG 6 · HMMA 8 · wait · LDG 6 · HMMA 8" has every batch's next loads
     issued after the wait for its own, so they fly while it is decoded; "LDG 6 · wait · HMMA 8"
-    waits for the loads it has just issued too, and decodes with nothing in flight."""
+    waits for the loads it has just issued too, and decodes with nothing in flight. It is the
+    program order, every branch included: a wait on a path that rarely runs is listed like any
+    other (the attention kernel's `CALL` to the 64-bit division's slow path waits on the loads,
+    but runs only for operands past 2^32)."""
     boards = set(load_scoreboards(body)[0])
     steps: list[str] = []
     for c in body:
