@@ -76,6 +76,10 @@ CASES = [
     Case("two_tokens_long_k", 2, 8, 4, 1600, 64, routing="busy"),
     Case("t8_long_k", 8, 32, 4, 1600, 64, routing="busy"),
     Case("t8_long_i", 8, 32, 4, 64, 1600, routing="busy"),
+    # two tokens with ids of -1 and E among their slots, and two tokens over top_k 8 (more slots
+    # than a one-token down block holds)
+    Case("two_tokens_dropped", 2, 8, 4, 64, 64, routing="dropped"),
+    Case("two_tokens_top8", 2, 16, 8, 64, 64),
 ]
 
 
