@@ -112,9 +112,10 @@ _INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+" + _OPCODE)
 
 
 def _opcode(text: str) -> str:
-    """The opcode of one instruction's text (its predicate dropped)."""
+    """The mnemonic of one instruction's text (its predicate and modifiers dropped: `LDG`, not
+    `LDG.E.128` or cp.async's `LDGSTS`), as opcode_counts counts it."""
     m = re.match(_OPCODE, text)
-    return m.group(1) if m else ""
+    return m.group(1).split(".")[0] if m else ""
 
 
 MMA_OPS = ("HMMA", "HGMMA")  # mma.sync, wgmma
@@ -156,7 +157,7 @@ def load_scoreboards(body: list[Control]) -> tuple[dict[int, int], int]:
     instructions wait on one of those scoreboards. With every load on one scoreboard, a wait for
     one batch's registers is a wait for every batch then in flight: a register ring deeper than
     two batches then keeps nothing in flight at its waits."""
-    ldg = collections.Counter(c.write for c in body if _opcode(c.text).split(".")[0] == "LDG" and c.write is not None)
+    ldg = collections.Counter(c.write for c in body if _opcode(c.text) == "LDG" and c.write is not None)
     return dict(sorted(ldg.items())), sum(1 for c in body if c.wait & set(ldg))
 
 
@@ -171,7 +172,7 @@ def load_schedule(body: list[Control], limit: int = 16) -> str:
     boards = set(load_scoreboards(body)[0])
     steps: list[str] = []
     for c in body:
-        op = _opcode(c.text).split(".")[0]
+        op = _opcode(c.text)
         if c.wait & boards:
             steps.append("wait")
         if op == "LDG" or op in MMA_OPS:
