@@ -45,23 +45,29 @@ def program(specs: list[str]) -> str:
     return "\n".join([*head, "", "", "def main() raises:", *prints]) + "\n"
 
 
-def build_ptx(specs: list[str], work: Path) -> dict[str, str]:
-    """kernel spec -> PTX text. The package is the one graphs load (`kernels_path()`, built once
-    per source hash); mojo runs as MAX configures it (`subprocess_run_mojo`), whatever the
-    environment MAX left in this process."""
+def run_program(text: str, work: Path, name: str = "asm_main") -> str:
+    """Builds a Mojo main against the kernel package for sm_90 (host code for the CPU, device
+    code for nvidia:90) and runs it here, without a GPU; returns its stdout. The package is the
+    one graphs load (`kernels_path()`, built once per source hash); mojo runs as MAX configures
+    it (`subprocess_run_mojo`), whatever the environment MAX left in this process."""
     from mojo.run import subprocess_run_mojo
 
     from gptoss_max.kernels import kernels_path
 
-    src = work / "asm_main.mojo"
-    src.write_text(program(specs))
-    exe = work / "asm_main"
+    src = work / f"{name}.mojo"
+    src.write_text(text)
+    exe = work / name
     r = subprocess_run_mojo(["build", "--target-accelerator=nvidia:90", "-I", str(kernels_path().parent), str(src),
                              "-o", str(exe)], capture_output=True, text=True)  # fmt: skip
     if r.returncode != 0:
         errors = [line for line in r.stderr.splitlines() if "error" in line]
         raise SystemExit("mojo build failed:\n" + "\n".join(errors or r.stderr.splitlines()[-20:]))
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
+def build_ptx(specs: list[str], work: Path) -> dict[str, str]:
+    """kernel spec -> PTX text (`run_program` of `program(specs)`)."""
+    out = run_program(program(specs), work)
     parts = re.split(r"^//== (.*)$", out, flags=re.M)
     return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 

@@ -297,3 +297,54 @@ def test_ptx_of_the_lean_gate_up_with_more_tiles_per_block(asm, tmp_path):
         )
         mmas.add(body.count("mma.sync.aligned.m16n8k16"))
     assert len(mmas) == 1  # one lean tile per warp whatever the block
+
+
+HOST_LAUNCH = """
+from std.sys import argv
+from max.gpu.host import DeviceContext
+from gptoss_kernels.moe_gpu import as_slots, launch_down, launch_gate_up, launch_route_gate_up
+
+
+def launch_all(ctx: DeviceContext) raises:
+    # never run here (no GPU): it makes the compiler build every launch branch, and each kernel
+    # they enqueue for nvidia:90
+    var h = Pointer[Float32, MutAnyOrigin](unsafe_from_address=4096)
+    var c = Pointer[UInt32, MutAnyOrigin](unsafe_from_address=4096)
+    var ids = Pointer[Int32, ImmutAnyOrigin](unsafe_from_address=4096)
+    var ids_out = Pointer[Int32, MutAnyOrigin](unsafe_from_address=4096)
+    var u8 = Pointer[UInt8, ImmutAnyOrigin](unsafe_from_address=4096)
+    var f = Pointer[Float32, ImmutAnyOrigin](unsafe_from_address=4096)
+    var xb = Pointer[BFloat16, ImmutAnyOrigin](unsafe_from_address=4096)
+    var ob = Pointer[BFloat16, MutAnyOrigin](unsafe_from_address=4096)
+    var x32 = Pointer[Float32, ImmutAnyOrigin](unsafe_from_address=4096)
+    var o32 = Pointer[Float32, MutAnyOrigin](unsafe_from_address=4096)
+    launch_gate_up[DType.bfloat16](ctx, h, c, 8, xb, ids, u8, u8, f, 2, 4, 32, 5760, 2880)
+    launch_gate_up[DType.float32](ctx, h, c, 8, x32, ids, u8, u8, f, 4, 4, 128, 5760, 2880)
+    launch_route_gate_up[DType.bfloat16](ctx, h, c, 8, xb, xb, ids_out, h, u8, u8, f, 4, 128, 5760, 2880)
+    launch_down[DType.bfloat16](ctx, ob, h, c, f, ids, f, u8, u8, f, 2, 4, 32, 2880, 2880, xb, False)
+    launch_down[DType.float32](ctx, o32, h, c, f, ids, f, u8, u8, f, 4, 4, 128, 2880, 2880, xb, True)
+
+
+def main() raises:
+    if len(argv()) > 1000:
+        launch_all(DeviceContext())
+    # (tokens, top_k, experts): 20b's 32 experts and 120b's 128, top 4
+    for t in [1, 2, 3, 4, 8]:
+        print("slots", t, as_slots(t, 4, 32), as_slots(t, 4, 128))
+"""
+
+
+def test_moe_host_launch_code_builds_for_hopper(asm, tmp_path):
+    """The MoE op's GPU launch code (which kernel a step of T tokens takes) is compiled by no
+    CPU test: this builds it, every launcher and dtype, for nvidia:90, and reads the slot rule
+    (moe_gpu.as_slots) the device benchmarks measured: two-token steps and 120b's four-token
+    steps take the one-token kernels' slots; 20b's four and both models' eight do not."""
+    out = asm.run_program(HOST_LAUNCH, tmp_path, "host_launch")
+    rows = {int(t): (a, b) for _, t, a, b in (line.split() for line in out.splitlines() if line.startswith("slots"))}
+    assert rows == {
+        1: ("True", "True"),
+        2: ("True", "True"),
+        3: ("False", "True"),
+        4: ("False", "True"),
+        8: ("False", "False"),
+    }

@@ -80,6 +80,11 @@ CASES = [
     # than a one-token down block holds)
     Case("two_tokens_dropped", 2, 8, 4, 64, 64, routing="dropped"),
     Case("two_tokens_top8", 2, 16, 8, 64, 64),
+    # more than two tokens whose pairs are few beside the experts (tokens * top_k * 8 <= E) also
+    # take the one-token kernels' slots on the GPU (moe_gpu.as_slots): four tokens over 128
+    # experts, and an odd count of three with ids of -1 and E
+    Case("t4_of_128_slots", 4, 128, 4, 64, 128),
+    Case("t3_of_64_slots_dropped", 3, 64, 2, 128, 64, routing="dropped"),
 ]
 
 
@@ -443,6 +448,7 @@ ROUTED_CASES = [
     (1, 8, 64, 64, "special"),
     (5, 32, 128, 64, "random"),
     (12, 16, 64, 64, "special"),
+    (4, 128, 64, 64, "special"),  # the GPU's top-k launch, then (4 * 4 * 8 <= 128) the slot kernels
 ]
 
 

@@ -53,6 +53,10 @@
 # tile (_lean_tile) also serves the one-token down of a bf16 graph, and takes
 # the block scale out of the decode (v25): B is block diagonal, so each mma
 # column sums one block, scaled afterwards by an f32 multiply-add.
+# Steps of a few tokens whose experts rarely repeat take the same two kernels,
+# a slot per (token, expert) pair (as_slots below, v34): with bf16 activations
+# that is every two-token step, so the few-token kernels below serve only f32
+# activations (gate_up) and top_k above 4 (down) there.
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, thread_idx, block_idx, barrier, lane_id, warp_id
 from max.gpu.compute.mma import mma
@@ -77,6 +81,23 @@ from .router_topk import warp_topk
 # 1-2 tokens, small blocks keep the bytes per SM even; with more, blocks share
 # the launch.
 comptime FEW_TOKENS = 2
+# Steps of up to SLOT_TOKENS tokens run the one-token kernels with a slot per
+# (token, expert) pair (gate_up_lean_kernel, down_one_token_kernel), and so pay
+# their short ramp and tail once; a repeated expert is then read once per pair.
+# Longer steps do too while their pairs are few beside the experts
+# (tokens * top_k * SLOT_SPREAD <= n_experts), where repeats are rare. H200:
+# T = 2 -24 % on both models; T = 4 -8 % with 128 experts, level with 32 (so
+# 20b keeps the multi-token kernels there); T = 8 slower with slots on both
+# (+2 % with 128 experts, +30 % with 32). bench/NOTES.md, "Nineteenth session".
+comptime SLOT_TOKENS = 2
+comptime SLOT_SPREAD = 8
+
+
+def as_slots(tokens: Int, top_k: Int, n_experts: Int) -> Bool:
+    """Whether a step of `tokens` tokens runs as (token, expert) slots."""
+    return tokens <= SLOT_TOKENS or tokens * top_k * SLOT_SPREAD <= n_experts
+
+
 comptime GATE_UP_WARPS_FEW = 2
 comptime DOWN_WARPS_FEW = 2
 comptime DOWN_KSPLIT_FEW = 2  # both warps of a few-token down block share one tile
@@ -1202,8 +1223,10 @@ def gate_up_lean_kernel[
     async_copy_commit_group()
     var acc = SIMD[DType.float32, 4](0)
     if live:
+        # route 0: slot block_idx.y is pair t * top_k + k of token t (route > 0: one token)
+        var xrow = x.unsafe_offset((Int(block_idx.y) // top_k) * hidden if route == 0 else 0)
         acc = _lean_tile[LEAN_DEPTH](
-            blocks, scales, e, rows, r0, nchunks, kc0, nloc, x.unsafe_bitcast[UInt32](), sm, xs, counters, 0
+            blocks, scales, e, rows, r0, nchunks, kc0, nloc, xrow.unsafe_bitcast[UInt32](), sm, xs, counters, 0
         )
     comptime if KS > 1:
         (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
@@ -1516,6 +1539,10 @@ def down_one_token_kernel[
     var k = w // ksplit
     var kw = w % ksplit
     var r0 = Int(block_idx.x) * 16
+    # route 0: grid row block_idx.y is token tok, whose pairs are tok * top_k + k
+    # (route > 0: one token)
+    var tok = Int(block_idx.y) if route == 0 else 0
+    var pair = tok * top_k + k
     var g = lane >> 2
     var e: Int
     var wt = Float32(0)
@@ -1524,7 +1551,7 @@ def down_one_token_kernel[
         e = Int(shuffle_idx(mine[0], UInt32(k)))  # lanes past top_k hold -1
         wt = shuffle_idx(mine[1], UInt32(k))
     else:
-        e = Int(ids[unsafe_offset=k]) if k < top_k else -1
+        e = Int(ids[unsafe_offset=pair]) if k < top_k else -1
     var valid = e >= 0 and e < n_experts
     # What the final sum needs besides the fragments (each expert's 16 bias
     # values, its weight, whether it counts) reaches shared memory while the
@@ -1542,7 +1569,7 @@ def down_one_token_kernel[
             comptime if route > 0:
                 wsm[k] = wt
             else:
-                async_copy[4](wts.unsafe_offset(k).unsafe_address_space_cast[AddressSpace.GLOBAL](), wsm + k)
+                async_copy[4](wts.unsafe_offset(pair).unsafe_address_space_cast[AddressSpace.GLOBAL](), wsm + k)
         if lane == 0:
             vsm[k] = 1 if valid else 0
     async_copy_commit_group()
@@ -1553,7 +1580,7 @@ def down_one_token_kernel[
         var nloc = nchunks * (kw + 1) // ksplit - kc0
         comptime if split:
             var rp = _tile_rows(blocks, scales, e, hidden, r0, g, r0 + g < hidden, r0 + g + 8 < hidden, nchunks)
-            var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter + kc0 * 16)
+            var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(pair * inter + kc0 * 16)
             var big = False
             acc = _tile16[A_WORDS_SPLIT](
                 rp[0], rp[1], rp[2], rp[3], rp[4], min(16, hidden - r0) * nchunks, sm, big, True, kc0, nloc, hrow, inter // 2
@@ -1561,7 +1588,7 @@ def down_one_token_kernel[
         else:
             # h's row k as bf16 pair words, its blocks kc0 .. kc0 + nloc - 1
             # staged in the warp's xs
-            var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(k * inter)
+            var hrow = h.unsafe_bitcast[UInt32]().unsafe_offset(pair * inter)
             var unused = output.unsafe_bitcast[UInt32]()  # WAIT_PDL: not read
             acc = _lean_tile[DOWN1_DEPTH, WAIT_PDL](
                 blocks, scales, e, hidden, r0, nchunks, kc0, nloc, hrow, sm, xss + w * _lean_x_words(ksplit), unused, 0
@@ -1572,7 +1599,7 @@ def down_one_token_kernel[
     (red + (w * 32 + lane) * 4).unsafe_store[width=4, alignment=16](0, acc)
     async_copy_wait_group(0)
     barrier()
-    _down1_sum[out_dtype, ksplit](output, red, bsm, wsm, vsm, r0, hidden, top_k)
+    _down1_sum[out_dtype, ksplit](output.unsafe_offset(tok * hidden), red, bsm, wsm, vsm, r0, hidden, top_k)
 
 
 def n_counters(hidden: Int) -> Int:
@@ -1637,12 +1664,14 @@ def _launch_gate_up_lean[
     n_experts: Int,
     rows: Int,
     hidden: Int,
+    tokens: Int = 1,
 ) raises:
-    _check_gate_up(top_k, n_experts, hidden)
+    """A block row per (token, expert) pair slot: tokens > 1 only with route 0."""
+    _check_gate_up(tokens * top_k, n_experts, hidden)
     ctx.enqueue_function[gate_up_lean_kernel[route]](
         h, counters, Int64(n_count), x, ids, logits, ids_out, wts_out, blocks, scales, bias,
         Int64(top_k), Int64(n_experts), Int64(rows), Int64(hidden),
-        grid_dim=((rows + 16 * LEAN_TPB - 1) // (16 * LEAN_TPB), top_k),
+        grid_dim=((rows + 16 * LEAN_TPB - 1) // (16 * LEAN_TPB), tokens * top_k),
         block_dim=_lean_block_warps(LEAN_TPB) * 32,
         attributes=pdl_attributes(True),
     )
@@ -1668,11 +1697,11 @@ def launch_gate_up[
 ) raises:
     """gate_up for at most CHUNK_TOKENS tokens; also zeroes the counters."""
     comptime if x_dtype == DType.bfloat16 and LEAN_KS > 0:
-        if tokens == 1:
+        if as_slots(tokens, top_k, n_experts):
             var xb = x.unsafe_bitcast[BFloat16]()
             _launch_gate_up_lean[0](
                 ctx, h, counters, n_count, xb, ids, xb, ids.unsafe_mut_cast[True](), h, blocks, scales, bias,
-                top_k, n_experts, rows, hidden,
+                top_k, n_experts, rows, hidden, tokens,
             )
             return
     if tokens == 1:
@@ -1786,11 +1815,13 @@ def _launch_down_one_token[
     n_experts: Int,
     hidden: Int,
     inter: Int,
+    tokens: Int = 1,
 ) raises:
+    """A block per 16-row tile and token: tokens > 1 only with route 0."""
     ctx.enqueue_function[down_one_token_kernel[out_dtype, route]](
         output, h, ids, wts, logits, blocks, scales, bias,
         Int64(top_k), Int64(n_experts), Int64(hidden), Int64(inter),
-        grid_dim=(hidden + 15) // 16,
+        grid_dim=((hidden + 15) // 16, tokens),
         block_dim=MAX_TOPK * _down1_ksplit(out_dtype) * 32,
         attributes=pdl_attributes(True),
     )
@@ -1826,9 +1857,9 @@ def launch_down[
     logits is not read otherwise)."""
     if tokens * top_k > MAX_PAIRS or n_experts > MAX_EXPERTS or inter % 32 != 0 or inter > 32 * MAX_K_BLOCKS:
         raise Error("gptoss MoE GPU path: needs tokens * top_k <= 256, E <= 256, I % 32 == 0, I <= 3072")
-    if tokens == 1 and top_k <= MAX_TOPK:
+    if as_slots(tokens, top_k, n_experts) and top_k <= MAX_TOPK:
         comptime if out_dtype == DType.bfloat16:
-            if routed:
+            if routed and tokens == 1:
                 if n_experts <= 128:
                     _launch_down_one_token[out_dtype, 4](
                         ctx, output, h, ids, wts, logits, blocks, scales, bias, top_k, n_experts, hidden, inter
@@ -1839,7 +1870,7 @@ def launch_down[
                     )
                 return
         _launch_down_one_token[out_dtype, 0](
-            ctx, output, h, ids, wts, logits, blocks, scales, bias, top_k, n_experts, hidden, inter
+            ctx, output, h, ids, wts, logits, blocks, scales, bias, top_k, n_experts, hidden, inter, tokens
         )
     elif tokens <= FEW_TOKENS:
         _launch_down[out_dtype, DOWN_WARPS_FEW, DOWN_KSPLIT_FEW](
