@@ -71,8 +71,9 @@ CASES = [
     Case("t77_prefill_big_scale", 77, 8, 4, 128, 128, outlier=40.0),
     # K long enough for the GPU decode kernels' weight rings to wrap: 50 MXFP4 blocks are 13
     # batches of 4 (the last one partial), an odd count for rings loaded in halves of 1, 2 or 4
-    # batches. Two tokens: the few-token gate_up's lean pairs (one expert shared by both
-    # tokens); eight: the many-token gate_up's, then (long I) the many-token down's
+    # batches. Two tokens: on the GPU the one-token kernels' slots (moe_gpu.as_slots; the
+    # few-token gate_up's lean pairs, one expert shared by both tokens, only with SLOT_TOKENS
+    # below 2); eight: the many-token gate_up's lean pairs, then (long I) the many-token down's
     Case("two_tokens_long_k", 2, 8, 4, 1600, 64, routing="busy"),
     Case("t8_long_k", 8, 32, 4, 1600, 64, routing="busy"),
     Case("t8_long_i", 8, 32, 4, 64, 1600, routing="busy"),

@@ -1018,7 +1018,9 @@ comptime LEAN_PAIRS = 2
 # half the ring in flight): 4 is 6-10 % faster than 2 on the H200 at T = 2..64;
 # 8 spills at their 128-register cap and loses 12-13 % at T = 8, 64. The
 # few-token kernels (T = 2: 12 warps per SM, up to 170 registers) take 8, no
-# spill, 4 % faster than 4 at T = 2 (bench/NOTES.md, eighteenth session). The
+# spill, 4 % faster than 4 at T = 2 (bench/NOTES.md, eighteenth session); since
+# v34 a bf16 step of two tokens runs as slots (as_slots), so they take lean
+# pairs only with SLOT_TOKENS set below 2 (the ablation of v34). The
 # one-token kernels keep 2 (LEAN_DEPTH, DOWN1_DEPTH): at their 80-register cap
 # depth 4 spills and is 3-6 % slower.
 comptime LEAN_PAIR_DEPTH = 4
