@@ -26,21 +26,25 @@ def test_every_variant_projects_the_same(tmp_path) -> None:
         wb += [rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal(n).astype(np.float32)]
     session = InferenceSession(devices=[CPU()])
     cpu = DeviceRef.CPU()
-    for variant in bench.VARIANTS:
+    variants = list(bench.VARIANTS)
+    for variant in variants:
         bench.build(variant, layers, k, n, cpu)  # the bench's own graph builds
-        # run the same forward behind f32 -> bf16 casts (NumPy has no bf16)
-        types = bench.input_types(layers, k, n, cpu, DType.float32)
-        inner = bench.projection_forward(variant, layers)
+    # every variant's forward in one graph (one compile), each behind f32 -> bf16 casts (NumPy has
+    # no bf16), on the same inputs
+    types = bench.input_types(layers, k, n, cpu, DType.float32)
+    inners = [bench.projection_forward(variant, layers) for variant in variants]
 
-        def forward(*args, inner=inner):
-            outs = inner(*[gops.cast(a, DType.bfloat16) for a in args])
-            return [gops.cast(o, DType.float32) for o in outs]
+    def forward(*args):
+        ins = [gops.cast(a, DType.bfloat16) for a in args]
+        return [gops.cast(o, DType.float32) for inner in inners for o in inner(*ins)]
 
-        model = session.load(Graph(f"outer_{variant}", forward=forward, input_types=types))
-        outs = model.execute(*[Buffer.from_numpy(a) for a in [x, *wb]])
-        assert len(outs) == layers
-        for i, out in enumerate(outs):
+    model = session.load(Graph("outer_all_variants", forward=forward, input_types=types))
+    outs = model.execute(*[Buffer.from_numpy(a) for a in [x, *wb]])
+    assert len(outs) == layers * len(variants)
+    for v, variant in enumerate(variants):
+        for i in range(layers):
+            out = outs[v * layers + i]
             w, b = (reference.round_to_bf16(a).astype(np.float64) for a in wb[2 * i : 2 * i + 2])
             want = reference.round_to_bf16(x).astype(np.float64) @ w.T + b
             got = out.to(CPU()).to_numpy()
-            np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
+            np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max(), err_msg=variant)
