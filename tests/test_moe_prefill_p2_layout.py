@@ -32,6 +32,7 @@ from gptoss_kernels.moe_prefill_gpu import (
     p2_part_desc, p2_row_mults, p2_s_row, p2_scale_window, p2_stage_bytes, p2_x_dst, p2_x_row,
     packed_unit, wgmma_desc_sw128,
 )
+from gptoss_kernels.moe_common import scale_bytes_above_128
 from std.memory import bitcast
 
 comptime BM = @BM@
@@ -139,6 +140,13 @@ def main() raises:
                 print("d2", kb, step, p2_part_desc(wgmma_desc_sw128(st + 32 * step), NT))
     for tid in range(THREADS):
         print("row", tid, p2_row0(tid))
+    # the tile-wide scan's byte test: byte v at position p among fillers (0 / the bound 128)
+    for v in range(256):
+        for p in range(16):
+            var sv = SIMD[DType.uint8, 16](UInt8(128 * (p & 1)))
+            sv[p] = UInt8(v)
+            var bits = scale_bytes_above_128(bitcast[DType.uint32, 4](sv))
+            print("bigbyte", v, p, bits[0], bits[1], bits[2], bits[3])
     for i in range(NT // 8):
         for b in range(2):
             print("acc", i, b, p2_acc_gate(i, b), p2_acc_up(i, b))
@@ -288,6 +296,18 @@ def test_wgmma_replay_equals_the_reference(probe):
     assert not np.isnan(valid).any()
     err = np.abs(valid - ref[:, :rows_valid]).max() / np.abs(ref).max()
     assert err < 1e-6, err
+
+
+def test_scale_scan_flags_exactly_the_bytes_above_128(probe):
+    """moe_common.scale_bytes_above_128, the test behind each prefill tile's (and decode tile's)
+    choice of the two-multiply path: bit 7 of byte p where, and only where, that byte is above
+    128, every other bit 0 (no carry into a neighbour)."""
+    rows = probe["bigbyte"]
+    assert len(rows) == 256 * 16
+    for v, p, *words in rows:
+        got = int.from_bytes(b"".join(w.to_bytes(4, "little") for w in words), "little")
+        want = (0x80 << (8 * p)) if v > 128 else 0
+        assert got == want, (v, p, hex(got))
 
 
 def test_replay_notices_a_wrong_swizzle(probe):

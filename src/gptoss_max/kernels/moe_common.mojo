@@ -57,3 +57,12 @@ def decode_slot[c: Int](w: UInt32, mult: SIMD[DType.bfloat16, 2]) -> UInt32:
     """Slot c's pair of a repacked word times mult: with scale_mult(s), the
     values times 2^(s-127), exactly (s <= 128)."""
     return scaled_pair(slot_bits[c](w), mult)
+
+
+@always_inline
+def scale_bytes_above_128(w: SIMD[DType.uint32, 4]) -> SIMD[DType.uint32, 4]:
+    """16 E8M0 scale bytes, four to a word: bit 7 of each byte above 128
+    (the scales that need the two-multiply decode), every other bit 0. A
+    byte's low 7 bits plus 0x7F reach bit 7 unless they are 0, and never
+    carry out of the byte (at most 0xFE)."""
+    return (w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)

@@ -72,7 +72,7 @@ from std.memory import bitcast, stack_allocation
 from std.sys._assembly import inlined_assembly
 from std.utils.static_tuple import StaticTuple
 
-from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
+from .moe_common import decode_slot, gptoss_swiglu, scale_bytes_above_128, scale_mult, scaled_pair
 from .mxfp4 import slot_bits, tiled_block_offset, tiled_scale_offset
 from .pdl import pdl_attributes, pdl_enter
 from .router_topk import warp_topk
@@ -381,8 +381,7 @@ def _stage_scales[
             var w = load[width=4, read_only=True, eviction_policy=na, alignment=16](v + 4 * i)
             d.unsafe_store[width=4, alignment=16](4 * i, w)
             comptime if limit == 128:
-                # per byte: high bit set and some low bit set
-                big |= ((w & 0x80808080) & ((w & 0x7F7F7F7F) + 0x7F7F7F7F)).reduce_or()
+                big |= scale_bytes_above_128(w).reduce_or()
             else:
                 # per byte: the two high bits set and some of the six low bits
                 var low6 = ((w & 0x3F3F3F3F) + 0x3F3F3F3F) << 1

@@ -66,7 +66,7 @@ from std.os import getenv
 from std.sys import is_gpu
 from std.utils import StaticTuple
 
-from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
+from .moe_common import decode_slot, gptoss_swiglu, scale_bytes_above_128, scale_mult, scaled_pair
 from .mxfp4 import tiled_block_offset, tiled_scale_offset
 
 comptime ROUTE_THREADS = 1024
@@ -907,19 +907,34 @@ def p2_group_scales(e: Int, n_rows: Int, row: Int, k_dim: Int) -> Int:
     return p2_s_row(e, n_rows, 0, min(row, n_rows - 1) & ~15, k_dim)
 
 
+# Scale vectors (16 bytes) a lane loads per group in one pass of p2_rows_have_big_scale:
+# 32 x 3 cover K / 32 <= 96 blocks, gpt-oss's 90 (K = 2880), in a single memory round trip.
+comptime P2_SCAN_PASS = 3
+
+
 @always_inline
-def p2_group_has_big_scale(
-    scales: Pointer[UInt8, ImmutAnyOrigin], e: Int, n_rows: Int, row: Int, k_dim: Int
-) -> Bool:
-    """Whether any scale byte of the 16-row group holding `row` is above 128,
-    for the whole warp (16 bytes a lane, one vote)."""
+def p2_rows_have_big_scale[
+    GROUPS: Int
+](scales: Pointer[UInt8, ImmutAnyOrigin], e: Int, n_rows: Int, row: Int, k_dim: Int) -> Bool:
+    """Whether any scale byte of the GROUPS 16-row groups from the one holding
+    `row` is above 128, for the whole warp (one vote). A pass issues every
+    lane's GROUPS x P2_SCAN_PASS 16-byte loads before it tests any: indices
+    are clamped, not branched on (a clamped lane reloads the group's last
+    vector), and the tests fold into one word with or, so the loads share one
+    round trip instead of each waiting for the one before it."""
     var nb = k_dim // 32
-    var base = p2_group_scales(e, n_rows, row, k_dim)
-    var any_big = False
-    for u in range(Int(lane_id()), nb, 32):
-        var v = scales.unsafe_load[width=16, alignment=16](base + 16 * u)
-        any_big = any_big or v.reduce_max() > 128
-    return vote[DType.uint32](any_big) != 0
+    var lane = Int(lane_id())
+    var base = Array[Int, GROUPS](fill=0)
+    comptime for j in range(GROUPS):
+        base[j] = p2_group_scales(e, n_rows, row + 16 * j, k_dim)
+    var acc = SIMD[DType.uint32, 4](0)
+    for u0 in range(0, nb, 32 * P2_SCAN_PASS):
+        comptime for i in range(P2_SCAN_PASS):
+            var u = min(u0 + 32 * i + lane, nb - 1)
+            comptime for j in range(GROUPS):
+                var v = scales.unsafe_load[width=16, alignment=16](base[j] + 16 * u)
+                acc |= scale_bytes_above_128(bitcast[DType.uint32, 4](v))
+    return vote[DType.uint32](acc.reduce_or() != 0) != 0
 
 
 @always_inline
@@ -1175,9 +1190,7 @@ def _p2_tile[
     # instruction), so its four warps must run the same loop variant.
     var big = False
     if wg_active:
-        var wg_row = n0 + (r0 & ~63)
-        comptime for j in range(4):
-            big = big or p2_group_has_big_scale(scales, e, n_rows, wg_row + 16 * j, k_dim)
+        big = p2_rows_have_big_scale[4](scales, e, n_rows, n0 + (r0 & ~63), k_dim)
     if big:
         _p2_loop[BM, NT, NT2, NWG, STAGES, CPT, True](
             smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb
