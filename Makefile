@@ -19,6 +19,7 @@ ENABLE_BENCH ?= 1
 UP_TIMEOUT   ?= 3600
 BENCH_N      ?= 8
 BENCH_TOKENS ?= 128
+TEST_WORKERS ?= 2
 STAMP   := $(VENV)/.installed
 SERVE_STAMP := $(VENV)/.installed-serve
 ifeq ($(origin API_KEY),undefined)
@@ -39,8 +40,10 @@ serve up status bench: export GPTOSS_MAX_API_KEY := $(API_KEY)
 serve: $(SERVE_STAMP)
 	@$(SERVER) serve
 
+# A MAX graph compile runs on one core, so the suite runs in TEST_WORKERS processes (pytest-xdist),
+# a test file to a process (its fixtures compile once); TEST_WORKERS=0 runs it in this one.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 install: $(STAMP)
 

