@@ -66,6 +66,8 @@ def test_server_still_healthy_after_fuzzing(base):
     assert httpx.get(f"{base}/health", timeout=5).json()["status"] == "ok"
     total = sum(sum(c.values()) for c in CALLS.values())
     assert total > 0, "the fuzz tests ran first"
+    every = {f"{op.ok().method.upper()} {op.ok().path}" for op in schema.get_all_operations()}
+    assert set(CALLS) == every, f"operations never fuzzed: {sorted(every - set(CALLS))}"
     statuses = sorted({s for c in CALLS.values() for s in c})
     assert all(s < 500 for s in statuses)
     report("fuzz", f"schemathesis: {total} requests over {len(CALLS)} operations, statuses {statuses}; "
