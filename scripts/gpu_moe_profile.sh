@@ -10,7 +10,8 @@
 #     lines that collect the most stall samples (scripts/ncu_sass_hotspots.py).
 # About 4 minutes. Usage: scripts/gpu_moe_profile.sh OUT_DIR
 # Environment: MODEL (120b | 20b, default 120b), TOKENS (default 1), KERNELS (ncu's kernel-name
-# regex, default "gate_up|down"; "p2_gemm" for the prefill GEMM that larger steps may run),
+# regex over names as Mojo mangles them, the module and a hash: default "gate_up|down";
+# "moe_prefill_gpu" with COUNT=7 for a whole MoE call of the prefill path that larger steps run),
 # COUNT (kernels profiled, default 2). Files are named moe_t<TOKENS>_<MODEL>_*, except at the
 # defaults: moe_t1_*, as before.
 set -u
@@ -34,6 +35,6 @@ python3 scripts/ncu_pm_series.py "$out/${tag}_pm_raw.csv" | tee "$out/${tag}_pm_
 GPTOSS_MAX_PDL=0 timeout 240 "${ncu_run[@]}" --set full --import-source no \
     -o "$out/${tag}_full" "${bench[@]}" > "$out/${tag}_full.log" 2>&1 || rc=$?
 ncu -i "$out/${tag}_full.ncu-rep" --page source --csv --print-source sass > "$out/${tag}_sass.csv" 2>&1
-python3 scripts/ncu_sass_hotspots.py "$out/${tag}_sass.csv" --top 30 | tee "$out/${tag}_hotspots.txt"
+python3 scripts/ncu_sass_hotspots.py "$out/${tag}_sass.csv" --top 30 --segments | tee "$out/${tag}_hotspots.txt"
 rm -rf "$scratch"
 exit "$rc"

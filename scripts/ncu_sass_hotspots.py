@@ -12,6 +12,9 @@ writes a `"Kernel Name","<name>",` line before each kernel's table, older ones a
 "Function Name") column. It prints the columns it found first, so a new schema shows itself.
 Where the page has an "Instructions Executed" column it also prints, per kernel, how many warp
 instructions and stall samples lie outside its loops (lines run at most 1.5 times per warp).
+With --segments it also cuts each kernel's lines into runs of one execution count (a loop body,
+the code a warp runs once) and gives each run's and each opcode's share of the instructions and
+stall samples: how much of a kernel's time sits in per-tile code outside its k loop.
 Used on the device by scripts/gpu_moe_profile.sh (issue 4: where the one-token MoE kernels wait).
 """
 
@@ -119,10 +122,95 @@ def loop_split(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _opcode(source: str) -> str:
+    """The opcode of a SASS line without its modifiers or predicate: "@!P0 LDS.U8 R1, [R2]" -> "LDS"."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def segments(text: str, min_lines: int = 8) -> dict[str, list[dict]]:
+    """Per kernel table with an "Instructions Executed" column: its executed lines cut into runs
+    of equal execution count, in address order (a loop body, a prologue run once per warp, an
+    epilogue...), each {first (its line index), lines, count (executions of each line), share of
+    the kernel's warp instructions and of its stall samples, opcodes (the run's 6 most frequent,
+    by line)}. Runs shorter than min_lines lines are left out unless they hold at least 2 % of
+    the samples. Where ncu profiled one kernel twice, each table is its own entry (name #2...)."""
+    out: dict[str, list[dict]] = {}
+    for kernel, rows in _sections(text):
+        fields = [f for f in rows[0].keys() if isinstance(f, str)] if rows else []
+        col = sample_column(fields)
+        if "Instructions Executed" not in fields or col is None:
+            continue
+        runs: list[dict] = []
+        total_i = total_s = 0.0
+        for i, r in enumerate(rows):
+            n = _number(r.get("Instructions Executed") or "") or 0.0
+            smp = _number(r.get(col) or "") or 0.0
+            total_i += n
+            total_s += smp
+            if not n:
+                continue
+            op = _opcode(r.get("Source") or "")
+            if runs and runs[-1]["count"] == n and runs[-1]["last"] == i - 1:
+                run = runs[-1]
+            else:
+                run = {"first": i, "lines": 0, "count": n, "instructions": 0.0, "samples": 0.0, "ops": defaultdict(int)}
+                runs.append(run)
+            run["lines"] += 1
+            run["last"] = i
+            run["instructions"] += n
+            run["samples"] += smp
+            run["ops"][op] += 1
+        name, k = kernel, 2
+        while name in out:
+            name, k = f"{kernel} #{k}", k + 1
+        out[name] = [
+            {
+                "first": r["first"],
+                "lines": r["lines"],
+                "count": r["count"],
+                "instructions_share": r["instructions"] / max(total_i, 1.0),
+                "samples_share": r["samples"] / max(total_s, 1.0),
+                "opcodes": sorted(r["ops"].items(), key=lambda kv: (-kv[1], kv[0]))[:6],
+            }
+            for r in runs
+            if r["lines"] >= min_lines or r["samples"] >= 0.02 * max(total_s, 1.0)
+        ]
+    return out
+
+
+def opcode_mix(text: str) -> dict[str, list[tuple[str, float, float]]]:
+    """Per kernel table with an "Instructions Executed" column: (opcode, share of its executed
+    warp instructions, share of its stall samples), most executed first."""
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for kernel, rows in _sections(text):
+        fields = [f for f in rows[0].keys() if isinstance(f, str)] if rows else []
+        col = sample_column(fields)
+        if "Instructions Executed" not in fields or col is None:
+            continue
+        ins: dict[str, float] = defaultdict(float)
+        smp: dict[str, float] = defaultdict(float)
+        for r in rows:
+            op = _opcode(r.get("Source") or "")
+            ins[op] += _number(r.get("Instructions Executed") or "") or 0.0
+            smp[op] += _number(r.get(col) or "") or 0.0
+        ti, ts = max(sum(ins.values()), 1.0), max(sum(smp.values()), 1.0)
+        name, k = kernel, 2
+        while name in out:
+            name, k = f"{kernel} #{k}", k + 1
+        out[name] = sorted(((op, ins[op] / ti, smp[op] / ts) for op in ins), key=lambda t: -t[1])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output ('-': standard input)")
     ap.add_argument("--top", type=int, default=25, help="lines per kernel (default 25)")
+    ap.add_argument("--segments", action="store_true",
+                    help="also the runs of lines with one execution count (loop bodies, prologue, epilogue)"
+                         " and each kernel's opcode mix, with their shares of instructions and samples")
     args = ap.parse_args(argv)
     text = sys.stdin.read() if args.csv == "-" else open(args.csv, encoding="utf-8", errors="replace").read()
     fields, found = hotspots(text, args.top)
@@ -142,6 +230,16 @@ def main(argv: list[str] | None = None) -> int:
             f" {v['outside_instructions'] / v['warps']:.0f} of them outside loops, holding"
             f" {v['outside_samples'] / max(v['samples'], 1):.0%} of the stall samples"
         )
+    if args.segments:
+        for kernel, runs in segments(text).items():
+            print(f"\n{kernel or '(one kernel)'}: runs of equal execution count (line, lines, count, instr, samples)")
+            for r in runs:
+                ops = " ".join(f"{op} {n}" for op, n in r["opcodes"])
+                print(f"  {r['first']:6d} {r['lines']:5d} x {r['count']:10g}  {r['instructions_share']:6.1%}"
+                      f"  {r['samples_share']:6.1%}  {ops}")
+        for kernel, mix in opcode_mix(text).items():
+            print(f"\n{kernel or '(one kernel)'}: opcodes (instr, samples): "
+                  + ", ".join(f"{op} {a:.1%} {b:.1%}" for op, a, b in mix[:14]))
     return 0
 
 

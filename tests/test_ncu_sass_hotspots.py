@@ -85,3 +85,37 @@ def test_splits_instructions_and_samples_at_the_loops():
         "outside_samples": 4.0,
     }
     assert mod.loop_split(CSV) == {}  # no "Instructions Executed" column: nothing to split
+
+
+def test_cuts_each_kernel_into_runs_of_one_execution_count(capsys, tmp_path):
+    mod = load_script("scripts/ncu_sass_hotspots.py", "ncu_sass_hotspots")
+    header = f'"Address","Source",{ALL},"Instructions Executed"'
+    # 4 warps: a prologue run once per warp (2 lines), a loop of 3 lines run 10 times, an
+    # unexecuted branch target, an epilogue line; ncu profiled the kernel twice
+    table = f"""{header}
+"0x10","LDC R1, c[0x0][0x28]","2","2","4"
+"0x20","@!P0 LDG.E R2, desc[UR4][R2.64]","6","6","4"
+"0x30","LOP3.LUT R5, R2, 0xf, RZ, 0xc0, !PT","10","9","40"
+"0x40","HMUL2.BF16_V2 R6, R5, R7","10","9","40"
+"0x50","LOP3.LUT R8, R2, 0xf0, RZ, 0xc0, !PT","20","19","40"
+"0x60","CALL.REL.NOINC 0x100","0","0","0"
+"0x70","EXIT","2","2","4"
+"""
+    text = f'"Kernel Name","k",\n{table}"Kernel Name","k",\n{table}'
+    runs = mod.segments(text, min_lines=1)
+    assert list(runs) == ["k", "k #2"]  # one entry per profiled launch, not summed
+    got = [(r["first"], r["lines"], r["count"]) for r in runs["k"]]
+    assert got == [(0, 2, 4.0), (2, 3, 40.0), (6, 1, 4.0)]  # the unexecuted line splits the prologue
+    loop = runs["k"][1]
+    assert loop["instructions_share"] == 120 / 132 and loop["samples_share"] == 40 / 50
+    assert loop["opcodes"] == [("LOP3", 2), ("HMUL2", 1)]  # by line, modifiers and predicates dropped
+    # with the default min_lines, short runs stay only when they hold >= 2 % of the samples
+    assert [r["first"] for r in mod.segments(text)["k"]] == [0, 2, 6]
+    mix = dict((op, (a, b)) for op, a, b in mod.opcode_mix(text)["k"])
+    assert mix["LOP3"] == (80 / 132, 30 / 50) and mix["LDG"] == (4 / 132, 6 / 50)
+    assert mod.segments(CSV) == {} and mod.opcode_mix(CSV) == {}  # no "Instructions Executed" column
+    f = tmp_path / "sass.csv"
+    f.write_text(text)
+    assert mod.main([str(f), "--top", "1", "--segments"]) == 0
+    out = capsys.readouterr().out
+    assert "runs of equal execution count" in out and "LOP3 60.6% 60.0%" in out
