@@ -96,11 +96,9 @@ def hotspots(text: str, top: int) -> tuple[list[str], dict[str, list[dict]]]:
     return fields, out
 
 
-def loop_split(text: str) -> dict[str, dict[str, float]]:
-    """Per kernel with an "Instructions Executed" column: its warps (the count of its first line,
-    which every warp runs once), its warp instructions and stall samples, and the part of each on
-    lines outside its loops (lines run at most 1.5 times per warp: prologue and epilogue)."""
-    out: dict[str, dict[str, float]] = {}
+def _counted(text: str):
+    """(kernel, rows, executions per row, stall samples per row) for each table that has an
+    "Instructions Executed" column and a sample column."""
     for kernel, rows in _sections(text):
         fields = [f for f in rows[0].keys() if isinstance(f, str)] if rows else []
         col = sample_column(fields)
@@ -108,6 +106,23 @@ def loop_split(text: str) -> dict[str, dict[str, float]]:
             continue
         execd = [_number(r.get("Instructions Executed") or "") or 0.0 for r in rows]
         samples = [_number(r.get(col) or "") or 0.0 for r in rows]
+        yield kernel, rows, execd, samples
+
+
+def _unique(out: dict, kernel: str) -> str:
+    """kernel, or "kernel #2", "#3"... when ncu profiled it more than once."""
+    name, k = kernel, 2
+    while name in out:
+        name, k = f"{kernel} #{k}", k + 1
+    return name
+
+
+def loop_split(text: str) -> dict[str, dict[str, float]]:
+    """Per kernel with an "Instructions Executed" column: its warps (the count of its first line,
+    which every warp runs once), its warp instructions and stall samples, and the part of each on
+    lines outside its loops (lines run at most 1.5 times per warp: prologue and epilogue)."""
+    out: dict[str, dict[str, float]] = {}
+    for kernel, _rows, execd, samples in _counted(text):
         warps = execd[0]
         if not warps:
             continue
@@ -138,18 +153,10 @@ def segments(text: str, min_lines: int = 8) -> dict[str, list[dict]]:
     by line)}. Runs shorter than min_lines lines are left out unless they hold at least 2 % of
     the samples. Where ncu profiled one kernel twice, each table is its own entry (name #2...)."""
     out: dict[str, list[dict]] = {}
-    for kernel, rows in _sections(text):
-        fields = [f for f in rows[0].keys() if isinstance(f, str)] if rows else []
-        col = sample_column(fields)
-        if "Instructions Executed" not in fields or col is None:
-            continue
+    for kernel, rows, execd, samples in _counted(text):
         runs: list[dict] = []
-        total_i = total_s = 0.0
-        for i, r in enumerate(rows):
-            n = _number(r.get("Instructions Executed") or "") or 0.0
-            smp = _number(r.get(col) or "") or 0.0
-            total_i += n
-            total_s += smp
+        total_i, total_s = sum(execd), sum(samples)
+        for i, (r, n, smp) in enumerate(zip(rows, execd, samples, strict=True)):
             if not n:
                 continue
             op = _opcode(r.get("Source") or "")
@@ -163,10 +170,7 @@ def segments(text: str, min_lines: int = 8) -> dict[str, list[dict]]:
             run["instructions"] += n
             run["samples"] += smp
             run["ops"][op] += 1
-        name, k = kernel, 2
-        while name in out:
-            name, k = f"{kernel} #{k}", k + 1
-        out[name] = [
+        out[_unique(out, kernel)] = [
             {
                 "first": r["first"],
                 "lines": r["lines"],
@@ -185,22 +189,15 @@ def opcode_mix(text: str) -> dict[str, list[tuple[str, float, float]]]:
     """Per kernel table with an "Instructions Executed" column: (opcode, share of its executed
     warp instructions, share of its stall samples), most executed first."""
     out: dict[str, list[tuple[str, float, float]]] = {}
-    for kernel, rows in _sections(text):
-        fields = [f for f in rows[0].keys() if isinstance(f, str)] if rows else []
-        col = sample_column(fields)
-        if "Instructions Executed" not in fields or col is None:
-            continue
+    for kernel, rows, execd, samples in _counted(text):
         ins: dict[str, float] = defaultdict(float)
         smp: dict[str, float] = defaultdict(float)
-        for r in rows:
+        for r, n, sm in zip(rows, execd, samples, strict=True):
             op = _opcode(r.get("Source") or "")
-            ins[op] += _number(r.get("Instructions Executed") or "") or 0.0
-            smp[op] += _number(r.get(col) or "") or 0.0
+            ins[op] += n
+            smp[op] += sm
         ti, ts = max(sum(ins.values()), 1.0), max(sum(smp.values()), 1.0)
-        name, k = kernel, 2
-        while name in out:
-            name, k = f"{kernel} #{k}", k + 1
-        out[name] = sorted(((op, ins[op] / ti, smp[op] / ts) for op in ins), key=lambda t: -t[1])
+        out[_unique(out, kernel)] = sorted(((op, ins[op] / ti, smp[op] / ts) for op in ins), key=lambda t: -t[1])
     return out
 
 
