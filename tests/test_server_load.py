@@ -17,7 +17,9 @@ from server_fixtures import long_script, serving
 
 
 def test_256_streams_100_dropping(tmp_path):
-    engine = ScriptedEngine([long_script(60)], delay=0.01, chunk_size=1)
+    # 30 ms a token: a dropped stream's disconnect has ~2 s to reach the engine before the engine
+    # has played its whole script (at 10 ms, a loaded CI machine once let 29 of 100 finish first)
+    engine = ScriptedEngine([long_script(60)], delay=0.03, chunk_size=1)
     with serving(build_app(engine, tmp_path / "r.sqlite3")) as base:
         r = load.run(base, n=256, drop=100, max_output_tokens=64)
         assert r["improper_errors"] == 0 and r["errors_by_kind"] == {}
