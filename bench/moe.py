@@ -57,9 +57,15 @@ class ExpertSet:
     dn_blocks: object  # [E, H, I/2] u8
     dn_scales: object  # [E, H, I/32] u8
     dn_bias: object  # [E, H] f32
+    gu_big: object  # [E, 2I / 16] u8: mxfp4.big_scale_groups(gu_scales), as the model loads it
+    dn_big: object  # [E, H / 16] u8
 
     def tensors(self) -> list:
-        return [self.gu_blocks, self.gu_scales, self.gu_bias, self.dn_blocks, self.dn_scales, self.dn_bias]
+        """The op's inputs: moe_mxfp4's six expert tensors, then its `big` pair."""
+        return [
+            self.gu_blocks, self.gu_scales, self.gu_bias, self.dn_blocks, self.dn_scales, self.dn_bias,
+            self.gu_big, self.dn_big,
+        ]  # fmt: skip
 
 
 def expert_bytes(hidden: int = HIDDEN, inter: int = INTER) -> int:
@@ -81,9 +87,15 @@ def make_set(torch, experts: int, hidden: int, inter: int, gen, device) -> Exper
     def bias(*shape):
         return 0.02 * torch.randn(*shape, generator=gen, device=device)
 
+    from gptoss_max import mxfp4
+
+    def big(s):  # computed on the host, as the model's weight adapter does at load
+        return torch.from_numpy(mxfp4.big_scale_groups(s.cpu().numpy())).to(device)
+
+    gu_scales, dn_scales = scales(experts, 2 * inter, hidden // 32), scales(experts, hidden, inter // 32)
     return ExpertSet(
-        u8(experts, 2 * inter, hidden // 2), scales(experts, 2 * inter, hidden // 32), bias(experts, 2 * inter),
-        u8(experts, hidden, inter // 2), scales(experts, hidden, inter // 32), bias(experts, hidden),
+        u8(experts, 2 * inter, hidden // 2), gu_scales, bias(experts, 2 * inter),
+        u8(experts, hidden, inter // 2), dn_scales, bias(experts, hidden), big(gu_scales), big(dn_scales),
     )  # fmt: skip
 
 
@@ -152,16 +164,20 @@ def build_ours(layers: int, n_sets: int, device_ref, path_input: bool = False, f
     from max.dtype import DType
     from max.graph import DeviceRef, Graph, TensorType
 
+    from gptoss_max import mxfp4
     from gptoss_max.kernels import ops as moe_ops
 
     def t(dt, shape):
         return TensorType(dt, shape, device_ref)
 
     e, h, i = "E", HIDDEN, INTER
+    g = mxfp4.TILE_ROWS
     set_types = [
         t(DType.uint8, [e, 2 * i, h // 2]), t(DType.uint8, [e, 2 * i, h // 32]), t(DType.float32, [e, 2 * i]),
         t(DType.uint8, [e, h, i // 2]), t(DType.uint8, [e, h, i // 32]), t(DType.float32, [e, h]),
+        t(DType.uint8, [e, 2 * i // g]), t(DType.uint8, [e, h // g]),
     ]  # fmt: skip
+    n_set = len(set_types)
     types = [TensorType(DType.int32, [], DeviceRef.CPU())] if path_input else []
     types += [t(DType.bfloat16, ["T", h])]
     for _ in range(layers):
@@ -176,11 +192,11 @@ def build_ours(layers: int, n_sets: int, device_ref, path_input: bool = False, f
         sync = rest.pop() if fused else None
         routes, sets = rest[: 2 * layers], rest[2 * layers :]
         for layer in range(layers):
-            s = sets[6 * (layer % n_sets) : 6 * (layer % n_sets) + 6]
+            s = sets[n_set * (layer % n_sets) : n_set * (layer % n_sets) + n_set]
             if sync is not None:
-                x = moe_ops.moe_mxfp4_one_token(x, routes[2 * layer], routes[2 * layer + 1], *s, sync)
+                x = moe_ops.moe_mxfp4_one_token(x, routes[2 * layer], routes[2 * layer + 1], *s[:6], sync)
             else:
-                x = moe_ops.moe_mxfp4(x, routes[2 * layer], routes[2 * layer + 1], *s, path=path)
+                x = moe_ops.moe_mxfp4(x, routes[2 * layer], routes[2 * layer + 1], *s[:6], path=path, big=(s[6], s[7]))
         return x
 
     name = "moe_prefill" if path_input else "moe_fused" if fused else "moe_ours"

@@ -59,7 +59,7 @@ def test_graphs_build_on_cpu(bench):
 
     cpu = DeviceRef.CPU()
     g = bench.build_ours(2, 1, cpu)
-    assert len(g.inputs) == 2 + 2 * 2 + 6
+    assert len(g.inputs) == 2 + 2 * 2 + 8  # path, x; two layers' routes; one set: six tensors + the big pair
     assert bench.build_stock(8, cpu) is not None
 
 

@@ -699,6 +699,37 @@ def one_token_model(target: Target):
     return target.compile("moe_mxfp4_one_token", forward, types)
 
 
+def test_moe_mxfp4_takes_the_loaders_big_flags_and_checks_their_shape(target: Target, mxfp4_model) -> None:
+    """moe_mxfp4 handed each projection's `big` flags (as the model's loader derives them,
+    mxfp4.big_scale_groups) gives the same output as mxfp4_model, which derives them in the
+    graph; flags of the wrong shape are refused by the op, with the shape it needs."""
+    from max.dtype import DType
+    from max.graph import TensorType
+    from max.graph import ops as gops
+
+    from gptoss_max.kernels import ops
+
+    types = _routing_types(target.ref) + _mxfp4_weight_types(target.ref)
+    types += [TensorType(DType.uint8, ["E", "Gu"], target.ref), TensorType(DType.uint8, ["E", "Gd"], target.ref)]
+
+    def forward(x, ids, w, *rest):
+        out = ops.moe_mxfp4(gops.cast(x, DType.bfloat16), ids, w, *rest[:6], big=(rest[6], rest[7]))
+        return gops.cast(out, DType.float32)
+
+    model = target.compile("moe_mxfp4_big", forward, types)
+    x, ids, w, gate_up, gu_bias, down, down_bias = _make_inputs(CASES[1])  # t64: a GPU's prefill GEMM
+    gub, gus = mxfp4.encode(gate_up)
+    db, ds = mxfp4.encode(down)
+    gub_t, gus_t = mxfp4.tile_for_op(gub.reshape(*gus.shape[:-1], -1), gus)
+    db_t, ds_t = mxfp4.tile_for_op(db.reshape(*ds.shape[:-1], -1), ds)
+    weights = (gub_t, gus_t, gu_bias, db_t, ds_t, down_bias)
+    flags = (mxfp4.big_scale_groups(gus_t), mxfp4.big_scale_groups(ds_t))
+    (got,) = target.run(model, x, ids, w, *weights, *flags)
+    np.testing.assert_array_equal(got, target.run(mxfp4_model, x, ids, w, *weights)[1])
+    with pytest.raises(Exception, match=r"big must be \[E, rows / 16\]"):
+        target.run(model, x, ids, w, *weights, flags[0][:, :-1], flags[1])
+
+
 ONE_TOKEN_FUSED_CASES = [c for c in CASES if c.tokens == 1 and c.top_k <= 4]
 
 

@@ -159,6 +159,59 @@ def test_loader_hands_the_op_tiled_experts():
         got_s = np.from_dlpack(state[f"language_model.layers.0.mlp.experts.{part}_scales"].data)
         np.testing.assert_array_equal(got_b, tb.reshape(got_b.shape))
         np.testing.assert_array_equal(got_s, ts)
+        # the prefill GEMM's flags, derived from the same scales (the synthetic ones are all <= 128)
+        got_f = np.from_dlpack(state[f"language_model.layers.0.mlp.experts.{part}_big"].data)
+        np.testing.assert_array_equal(got_f, mxfp4.big_scale_groups(scales))
+        assert got_f.shape == (scales.shape[0], scales.shape[1] // 16) and not got_f.any()
+
+
+def _big_by_rows(scales):
+    """Brute force: per expert and 16-row group, whether any scale byte of the group is above 128."""
+    e, rows, _ = scales.shape
+    return np.array([[int((scales[x, 16 * g : 16 * g + 16] > 128).any()) for g in range(rows // 16)] for x in range(e)])
+
+
+def test_big_scale_groups_flag_each_16_row_group_in_either_layout():
+    rng = np.random.default_rng(3)
+    scales = rng.integers(110, 129, (3, 80, 6), dtype=np.uint8)  # 128 itself is not big
+    scales[0, 15, 5] = 129  # the last byte of group 0
+    scales[1, 16, 0] = 255  # the first byte of group 1
+    scales[2, 79, 3] = 200  # the last group
+    want = _big_by_rows(scales)
+    assert want.sum() == 3
+    np.testing.assert_array_equal(mxfp4.big_scale_groups(scales), want)
+    # tiling moves bytes only within a 16-row group: the op's layout gives the same flags
+    np.testing.assert_array_equal(mxfp4.big_scale_groups(mxfp4.tile_scales(scales)), want)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        mxfp4.big_scale_groups(np.zeros((1, 24, 2), np.uint8))
+    with pytest.raises(ValueError, match="u8"):
+        mxfp4.big_scale_groups(np.zeros((1, 16, 2), np.int32))
+
+
+def test_graph_big_scale_groups_match_the_loaders():
+    """ops.big_scale_groups (what moe_mxfp4 computes in the graph when it is not handed the flags)
+    equals mxfp4.big_scale_groups (what the loader derives), on symbolic shapes."""
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from gptoss_max.kernels import ops
+
+    graph = Graph(
+        "big_scale_groups",
+        forward=ops.big_scale_groups,
+        input_types=[TensorType(DType.uint8, ["E", "R", "B"], DeviceRef.CPU())],
+    )
+    model = InferenceSession(devices=[CPU()]).load(graph)
+    rng = np.random.default_rng(4)
+    for shape in [(2, 48, 4), (3, 160, 90)]:
+        scales = rng.integers(100, 129, shape, dtype=np.uint8)
+        scales[shape[0] - 1, shape[1] - 1, shape[2] - 1] = 130
+        scales[0, 17, 1] = 129
+        tiled = mxfp4.tile_scales(scales)
+        got = model.execute(Buffer.from_numpy(tiled))[0].to_numpy()
+        np.testing.assert_array_equal(got, _big_by_rows(scales))
 
 
 def test_loader_leaves_a_file_backed_source_untouched():

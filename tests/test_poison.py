@@ -31,7 +31,7 @@ def down_with_scratch():
         h, counters = ops.custom(
             "gptoss_moe_gate_up_mxfp4",
             x.device,
-            [x, ids, gub, gus, gubias, path],
+            [x, ids, gub, gus, gubias, gops.big_scale_groups(gus), path],
             [
                 TensorType(DType.float32, [T, K, INTER], x.device),
                 TensorType(DType.uint32, [gops.counter_count(H)], x.device),
@@ -40,7 +40,7 @@ def down_with_scratch():
         out, partial = ops.custom(
             "gptoss_moe_down_mxfp4",
             x.device,
-            [h, ids, wts, db, ds, dbias, counters, path],
+            [h, ids, wts, db, ds, dbias, gops.big_scale_groups(ds), counters, path],
             [TensorType(DType.float32, [T, H], x.device), TensorType(DType.float32, [T, K, H], x.device)],
         )
         return out, partial, h

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gptoss_max import mxfp4
 from gptoss_max.config import ModelSpec
 
 GIB = 1024**3
@@ -27,7 +28,8 @@ def weight_bytes(spec: ModelSpec, mxfp4_experts: bool, dense_bytes: int) -> dict
     """Bytes of every weight as our architecture holds it on the device, by part.
 
     Dense weights in the graph's dtype; experts as stored (MXFP4 blocks + scales, or bf16 in the
-    graph's dtype); expert biases float32 (arch/weights.py).
+    graph's dtype); expert biases float32; with MXFP4 experts, the byte per 16 rows of each
+    projection that the loader derives from the scales (`mxfp4.big_scale_groups`, arch/weights.py).
     """
     h, i, e, v, n = (spec.hidden_size, spec.intermediate_size, spec.num_local_experts, spec.vocab_size,
                      spec.num_hidden_layers)  # fmt: skip
@@ -43,6 +45,7 @@ def weight_bytes(spec: ModelSpec, mxfp4_experts: bool, dense_bytes: int) -> dict
         "router": n * (e * h + e) * dense_bytes,
         "experts": int(experts * MXFP4_BYTES_PER_WEIGHT) if mxfp4_experts else experts * dense_bytes,
         "expert_biases": n * e * (2 * i + h) * 4,
+        "expert_flags": n * e * (2 * i + h) // mxfp4.TILE_ROWS if mxfp4_experts else 0,
     }
 
 

@@ -335,6 +335,24 @@ def tile_scales(scales, inverse: bool = False, in_place: bool = False):
     return _tile(scales, int(scales.shape[1]), int(scales.shape[2]), 1, inverse, in_place)
 
 
+# Scale bytes above this take the prefill GEMM's two-multiply decode (2^(s-1) overflows bf16).
+BIG_SCALE = 128
+
+
+def big_scale_groups(scales) -> np.ndarray:
+    """`scales [E, rows, nb]` u8, in the checkpoint's layout or the op's tiled one (tiling moves
+    bytes only within a 16-row group, so a group holds the same bytes in both) ->
+    `[E, rows / 16]` u8, the MoE ops' `big` input: 1 where a scale byte of rows
+    16g .. 16g + 15 is above 128, else 0."""
+    a = np.asarray(scales)
+    if a.dtype != np.uint8 or a.ndim != 3:
+        raise ValueError(f"scales must be [E, rows, nb] u8, got {a.dtype} {a.shape}")
+    e, rows, nb = (int(d) for d in a.shape)
+    if rows % TILE_ROWS:
+        raise ValueError(f"scales rows must be a multiple of {TILE_ROWS}, got {rows}")
+    return (a.reshape(e, rows // TILE_ROWS, TILE_ROWS * nb).max(axis=2) > BIG_SCALE).astype(np.uint8)
+
+
 def tile_for_op(blocks, scales):
     """Checkpoint layout -> the MoE op's layout (tiled, word-repacked blocks), both tensors
     (shapes kept)."""

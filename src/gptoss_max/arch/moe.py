@@ -17,6 +17,7 @@ from max.nn.layer import Module
 from max.nn.linear import Linear
 
 from gptoss_max import maxapi, settings
+from gptoss_max import mxfp4 as mxfp4_format
 from gptoss_max.arch import dense
 from gptoss_max.kernels import ops as moe_ops
 
@@ -41,6 +42,10 @@ class ExpertWeights(Module):
             self.gate_up_scales = w("gate_up_scales", DType.uint8, [experts, 2 * inter, hidden // 32])
             self.down_blocks = w("down_blocks", DType.uint8, [experts, hidden, inter // 2])
             self.down_scales = w("down_scales", DType.uint8, [experts, hidden, inter // 32])
+            # derived when the weights are loaded (arch.weights): mxfp4.big_scale_groups
+            g = mxfp4_format.TILE_ROWS
+            self.gate_up_big = w("gate_up_big", DType.uint8, [experts, 2 * inter // g])
+            self.down_big = w("down_big", DType.uint8, [experts, hidden // g])
         else:
             self.gate_up_weight = w("gate_up_weight", dtype, [experts, 2 * inter, hidden])
             self.down_weight = w("down_weight", dtype, [experts, hidden, inter])
@@ -53,6 +58,7 @@ class ExpertWeights(Module):
             x, logits, top_k,
             self.gate_up_blocks, self.gate_up_scales, self.gate_up_bias,
             self.down_blocks, self.down_scales, self.down_bias, path=settings.moe_path(),
+            big=(self.gate_up_big, self.down_big),
         )  # fmt: skip
 
     def __call__(self, x: TensorValue, ids: TensorValue, weights: TensorValue) -> TensorValue:
@@ -61,6 +67,7 @@ class ExpertWeights(Module):
                 x, ids, weights,
                 self.gate_up_blocks, self.gate_up_scales, self.gate_up_bias,
                 self.down_blocks, self.down_scales, self.down_bias, path=settings.moe_path(),
+                big=(self.gate_up_big, self.down_big),
             )  # fmt: skip
         return moe_ops.moe_bf16(
             x, ids, weights, self.gate_up_weight, self.gate_up_bias, self.down_weight, self.down_bias

@@ -51,12 +51,15 @@ def _from_numpy(arr: np.ndarray, name: str) -> WeightData:
     return WeightData.from_numpy(np.ascontiguousarray(arr), name)
 
 
-def _convert(name: str, data: WeightData, dtype: DType, owned: bool = False) -> WeightData:
-    """`owned`: nothing else reads `data`'s memory (a synthetic tensor handed over), so the MXFP4
-    repack may rewrite it in place instead of filling a new array."""
+def _convert(name: str, data: WeightData, dtype: DType, owned: bool = False) -> list[WeightData]:
+    """The module's tensors made from one checkpoint tensor: itself converted, and for MXFP4
+    scales also their `big` flags (`mxfp4.big_scale_groups`: which 64-row groups hold a scale
+    byte above 128, read by the prefill GEMM instead of scanning the scales). `owned`: nothing
+    else reads `data`'s memory (a synthetic tensor handed over), so the MXFP4 repack may rewrite
+    it in place instead of filling a new array."""
     head, _, suffix = name.rpartition(".")
     if ".mlp.experts" not in head:
-        return dataclasses.replace(data.astype(dtype), name=name)
+        return [dataclasses.replace(data.astype(dtype), name=name)]
     new_suffix, kind = _EXPERTS[suffix]
     new_name = f"{head}.{new_suffix}"
     # MXFP4 experts: into the MoE op's tiled byte order (mxfp4.tile_for_op), same shapes.
@@ -66,14 +69,15 @@ def _convert(name: str, data: WeightData, dtype: DType, owned: bool = False) -> 
         tile = mxfp4.tile_blocks if kind == "blocks" else mxfp4.tile_scales
         arr = tile(arr, in_place=in_place)
         if kind == "blocks":  # [E, rows, nb, 16] -> [E, rows, nb * 16]
-            arr = arr.reshape(*arr.shape[:2], -1)
-        return _from_numpy(arr, new_name)
+            return [_from_numpy(arr.reshape(*arr.shape[:2], -1), new_name)]
+        big_name = f"{head}.{new_suffix.removesuffix('scales')}big"
+        return [_from_numpy(arr, new_name), _from_numpy(mxfp4.big_scale_groups(arr), big_name)]
     f32 = np.from_dlpack(data.astype(DType.float32).data)
     if kind == "f32":
-        return _from_numpy(f32, new_name)
+        return [_from_numpy(f32, new_name)]
     # HF bf16 experts are [E, in, out]; the op wants [E, out, in].
     out = _from_numpy(f32.transpose(0, 2, 1), new_name)
-    return dataclasses.replace(out.astype(dtype), name=new_name)
+    return [dataclasses.replace(out.astype(dtype), name=new_name)]
 
 
 def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) -> dict[str, WeightData]:
@@ -83,8 +87,8 @@ def adapt_state_dict(weights: Mapping[str, Any], spec: ModelSpec, dtype: DType) 
     out = {}
     owned = {name: isinstance(w, _Generated) for name, w in weights.items()}
     for name in list(datas):  # each source is dropped once converted: a file's repack copies
-        w = _convert(_rename(name), datas.pop(name), dtype, owned[name])
-        out[w.name] = w
+        for w in _convert(_rename(name), datas.pop(name), dtype, owned[name]):
+            out[w.name] = w
     return out
 
 

@@ -5,6 +5,7 @@ from max.gpu.host import DeviceContext
 from std.utils.coord import Coord
 
 from .moe_gpu import CHUNK_TOKENS, launch_down, n_counters
+from .moe_gate_up_mxfp4 import check_big
 from .moe_prefill_gpu import launch_prefill_down, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
 from .poison import poison, scrub
@@ -23,6 +24,7 @@ struct MoeDownMxfp4:
                                      H % 16 == 0, I % 64 == 0
       scales       [E, H, I/32] u8   tiled order (tiled_scale_offset)
       bias         [E, H]  f32
+      big          [E, H / 16] u8   as gptoss_moe_gate_up_mxfp4's, for these rows
       counters     [ceil(H / 8)] u32   from gptoss_moe_gate_up_mxfp4 (zeroed)
       partial      [T, K, H] f32        scratch output of the GPU path
                                         (per-pair products before the sum)
@@ -45,13 +47,14 @@ struct MoeDownMxfp4:
         blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
         scales: InputTensor[dtype=DType.uint8, rank=3, ...],
         bias: InputTensor[dtype=DType.float32, rank=2, ...],
+        big: InputTensor[dtype=DType.uint8, rank=2, ...],
         counters: InputTensor[dtype=DType.uint32, rank=1, ...],
         path: Int32,
         ctx: DeviceContext,
     ) raises:
         var no_logits = h.unsafe_ptr().unsafe_bitcast[BFloat16]()  # not read (routed False)
         down_mxfp4[target](
-            output, partial, h, topk_ids, topk_weights, blocks, scales, bias, counters, path, no_logits, False, ctx
+            output, partial, h, topk_ids, topk_weights, blocks, scales, bias, big, counters, path, no_logits, False, ctx
         )
 
 
@@ -66,6 +69,7 @@ def down_mxfp4[
     blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
     scales: InputTensor[dtype=DType.uint8, rank=3, ...],
     bias: InputTensor[dtype=DType.float32, rank=2, ...],
+    big: InputTensor[dtype=DType.uint8, rank=2, ...],
     counters: InputTensor[dtype=DType.uint32, rank=1, ...],
     path: Int32,
     logits: Pointer[BFloat16, ImmutAnyOrigin],
@@ -89,6 +93,7 @@ def down_mxfp4[
         raise Error("gptoss_moe_down_mxfp4: counters must be ceil(H / 8) long")
     if hidden % TILE_ROWS != 0 or inter % (2 * MXFP4_BLOCK) != 0:
         raise Error("gptoss_moe_down_mxfp4: the tiled layout needs H % 16 == 0 and I % 64 == 0")
+    check_big(big.dim_size[1](), big.dim_size[0](), n_experts, hidden, "gptoss_moe_down_mxfp4")
     poison[target](ctx, output.unsafe_ptr(), output.size())
     poison[target](ctx, partial.unsafe_ptr(), partial.size())
 
@@ -99,7 +104,7 @@ def down_mxfp4[
             if cfg >= 0:
                 launch_prefill_down[output.dtype](
                     ctx, cfg, output.unsafe_ptr(), partial.unsafe_ptr(), hp, ids, wp, bp, sp, biasp,
-                    tokens, top_k, n_experts, hidden, inter,
+                    big.unsafe_ptr(), tokens, top_k, n_experts, hidden, inter,
                 )
                 _scrub_leftovers[target](ctx, h, partial, counters)
                 return

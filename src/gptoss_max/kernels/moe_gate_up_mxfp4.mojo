@@ -7,7 +7,7 @@ from std.utils.coord import Coord
 
 from .moe_common import gptoss_swiglu
 from .moe_gpu import CHUNK_TOKENS, launch_gate_up, n_counters
-from .moe_prefill_gpu import launch_prefill_gate_up, prefill_choice
+from .moe_prefill_gpu import big_groups, launch_prefill_gate_up, prefill_choice
 from .mxfp4 import MXFP4_BLOCK, TILE_ROWS, mxfp4_tiled_row_dot
 from .poison import poison
 
@@ -74,6 +74,7 @@ def gate_up_gpu[
     bp: Pointer[UInt8, ImmutAnyOrigin],
     sp: Pointer[UInt8, ImmutAnyOrigin],
     biasp: Pointer[Float32, ImmutAnyOrigin],
+    bigp: Pointer[UInt8, ImmutAnyOrigin],
     tokens: Int,
     top_k: Int,
     n_experts: Int,
@@ -88,7 +89,7 @@ def gate_up_gpu[
         if cfg >= 0:
             launch_prefill_gate_up(
                 ctx, cfg, hp, rebind[Pointer[BFloat16, ImmutAnyOrigin]](xp),
-                ids, bp, sp, biasp, tokens, top_k, n_experts, rows, hidden,
+                ids, bp, sp, biasp, bigp, tokens, top_k, n_experts, rows, hidden,
             )
             return
     var t0 = 0
@@ -113,6 +114,12 @@ def gate_up_gpu[
         t0 += tc
 
 
+def check_big(groups: Int, experts: Int, n_experts: Int, rows: Int, who: StaticString) raises:
+    """The `big` input's shape: [E, rows / 16] (moe_prefill_gpu.big_groups)."""
+    if experts != n_experts or groups != big_groups(rows):
+        raise Error(String(who) + ": big must be [E, rows / 16] (mxfp4.big_scale_groups of the scales)")
+
+
 def check_gate_up(n_count: Int, rows: Int, hidden: Int, who: StaticString) raises:
     if n_count != n_counters(hidden):
         raise Error(String(who) + ": counters must be ceil(H / 8) long")
@@ -133,6 +140,9 @@ struct MoeGateUpMxfp4:
                                   tiled_block_offset): 2I % 16 == 0, H % 64 == 0
       scales   [E, 2I, H/32] u8   tiled order (tiled_scale_offset)
       bias     [E, 2I]   f32
+      big      [E, 2I / 16] u8   1 where a scale byte of rows 16g .. 16g + 15
+                                  is above 128 (mxfp4.big_scale_groups);
+                                  read by the GPU prefill GEMM only
       counters [ceil(H / 8)] u32   zeroed here for gptoss_moe_down_mxfp4
                                     of the same step (GPU path's tile
                                     counters; the CPU path just zeroes it)
@@ -154,6 +164,7 @@ struct MoeGateUpMxfp4:
         blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
         scales: InputTensor[dtype=DType.uint8, rank=3, ...],
         bias: InputTensor[dtype=DType.float32, rank=2, ...],
+        big: InputTensor[dtype=DType.uint8, rank=2, ...],
         path: Int32,
         ctx: DeviceContext,
     ) raises:
@@ -168,12 +179,13 @@ struct MoeGateUpMxfp4:
         var top_k = topk_ids.dim_size[1]()
         var n_count = counters.dim_size[0]()
         check_gate_up(n_count, rows, hidden, "gptoss_moe_gate_up_mxfp4")
+        check_big(big.dim_size[1](), big.dim_size[0](), n_experts, rows, "gptoss_moe_gate_up_mxfp4")
         poison[target](ctx, output.unsafe_ptr(), output.size())
         poison[target](ctx, counters.unsafe_ptr(), n_count)
 
         comptime if target == "gpu":
             gate_up_gpu[x.dtype](
-                ctx, output.unsafe_ptr(), counters.unsafe_ptr(), n_count, xp, ids, bp, sp, biasp,
+                ctx, output.unsafe_ptr(), counters.unsafe_ptr(), n_count, xp, ids, bp, sp, biasp, big.unsafe_ptr(),
                 x.dim_size[0](), top_k, n_experts, rows, hidden, Int(path),
             )
             return

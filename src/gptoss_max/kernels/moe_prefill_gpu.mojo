@@ -66,8 +66,8 @@ from std.os import getenv
 from std.sys import is_gpu
 from std.utils import StaticTuple
 
-from .moe_common import decode_slot, gptoss_swiglu, scale_bytes_above_128, scale_mult, scaled_pair
-from .mxfp4 import tiled_block_offset, tiled_scale_offset
+from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
+from .mxfp4 import TILE_ROWS, tiled_block_offset, tiled_scale_offset
 
 comptime ROUTE_THREADS = 1024
 comptime ROUTE_BATCH = 8  # id loads a route thread has in flight
@@ -907,34 +907,29 @@ def p2_group_scales(e: Int, n_rows: Int, row: Int, k_dim: Int) -> Int:
     return p2_s_row(e, n_rows, 0, min(row, n_rows - 1) & ~15, k_dim)
 
 
-# Scale vectors (16 bytes) a lane loads per group in one pass of p2_rows_have_big_scale:
-# 32 x 3 cover K / 32 <= 96 blocks, gpt-oss's 90 (K = 2880), in a single memory round trip.
-comptime P2_SCAN_PASS = 3
+# The MoE ops' `big` input holds, per expert, one byte per 16-row group of weight rows
+# (mxfp4.big_scale_groups, the tiled layout's TILE_ROWS): 1 when a scale byte of those rows is
+# above 128.
 
 
 @always_inline
-def p2_rows_have_big_scale[
-    GROUPS: Int
-](scales: Pointer[UInt8, ImmutAnyOrigin], e: Int, n_rows: Int, row: Int, k_dim: Int) -> Bool:
-    """Whether any scale byte of the GROUPS 16-row groups from the one holding
-    `row` is above 128, for the whole warp (one vote). A pass issues every
-    lane's GROUPS x P2_SCAN_PASS 16-byte loads before it tests any: indices
-    are clamped, not branched on (a clamped lane reloads the group's last
-    vector), and the tests fold into one word with or, so the loads share one
-    round trip instead of each waiting for the one before it."""
-    var nb = k_dim // 32
-    var lane = Int(lane_id())
-    var base = Array[Int, GROUPS](fill=0)
-    comptime for j in range(GROUPS):
-        base[j] = p2_group_scales(e, n_rows, row + 16 * j, k_dim)
-    var acc = SIMD[DType.uint32, 4](0)
-    for u0 in range(0, nb, 32 * P2_SCAN_PASS):
-        comptime for i in range(P2_SCAN_PASS):
-            var u = min(u0 + 32 * i + lane, nb - 1)
-            comptime for j in range(GROUPS):
-                var v = scales.unsafe_load[width=16, alignment=16](base[j] + 16 * u)
-                acc |= scale_bytes_above_128(bitcast[DType.uint32, 4](v))
-    return vote[DType.uint32](acc.reduce_or() != 0) != 0
+def big_groups(n_rows: Int) -> Int:
+    """Flags per expert in the `big` input: n_rows / TILE_ROWS (n_rows % TILE_ROWS == 0)."""
+    return n_rows // TILE_ROWS
+
+
+@always_inline
+def p2_rows_big(big_flags: Pointer[UInt8, ImmutAnyOrigin], e: Int, n_rows: Int, row: Int) -> Bool:
+    """Whether any of the four 16-row groups from `row` (a multiple of 64) has a
+    scale byte above 128, from the `big` input: the same four loads in every
+    thread that asks for the same rows, so a warpgroup's answer is uniform."""
+    var groups = big_groups(n_rows)
+    var g0 = e * groups + row // TILE_ROWS
+    var any = UInt8(0)
+    comptime for j in range(4):
+        if row + TILE_ROWS * j < n_rows:
+            any |= big_flags[unsafe_offset=g0 + j]
+    return any != 0
 
 
 @always_inline
@@ -1131,6 +1126,7 @@ def _p2_tile[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
+    big_flags: Pointer[UInt8, ImmutAnyOrigin],
     top_k: Int,
     n_rows: Int,
     k_dim: Int,
@@ -1182,15 +1178,16 @@ def _p2_tile[
 
     # Scales above 128 take a second multiply (the one multiplier 2^(s-1) of
     # the common path would overflow bf16's exponent); whether any block of
-    # the warpgroup's 64 rows has one is decided once for the whole tile (four
-    # 16-row groups, each with contiguous scale bytes in the tiled layout), so
-    # the common stage body builds each multiplier with one prmt and one
-    # multiply-add. Per warpgroup, not per warp: wgmma is warpgroup-collective
-    # (.aligned: every thread of the warpgroup must execute the same
-    # instruction), so its four warps must run the same loop variant.
+    # the warpgroup's 64 rows has one is one byte of the op's `big` input,
+    # computed when the weights were loaded (it replaced a per-tile scan of
+    # the rows' scale bytes, 2-3 % of the MoE call), so the common stage body
+    # builds each multiplier with one prmt and one multiply-add. Per
+    # warpgroup, not per warp: wgmma is warpgroup-collective (.aligned: every
+    # thread of the warpgroup must execute the same instruction), so its four
+    # warps must run the same loop variant: each reads the same four flags.
     var big = False
     if wg_active:
-        big = p2_rows_have_big_scale[4](scales, e, n_rows, n0 + (r0 & ~63), k_dim)
+        big = p2_rows_big(big_flags, e, n_rows, n0 + (r0 & ~63))
     if big:
         _p2_loop[BM, NT, NT2, NWG, STAGES, CPT, True](
             smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb
@@ -1292,6 +1289,7 @@ def p2_gemm_kernel[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
+    big_flags: Pointer[UInt8, ImmutAnyOrigin],
     top_k_: Int64,
     n_experts_: Int64,
     n_rows_: Int64,
@@ -1299,7 +1297,7 @@ def p2_gemm_kernel[
 ):
     """gemm_kernel's contract (gate_up: A = x gathered by pair, N = 2I rows,
     writes h_out in natural k order; down: A = sorted h, N = H, writes partial
-    by pair) on wgmma. BM tokens x 64 * NWG weight rows per block, 128 * NWG
+    by pair) on wgmma; big_flags: the op's `big` input (_p2_tile). BM tokens x 64 * NWG weight rows per block, 128 * NWG
     threads, dynamic shared memory p2_smem_bytes."""
     comptime BN = 64 * NWG
     var top_k = Int(top_k_)
@@ -1326,13 +1324,13 @@ def p2_gemm_kernel[
         comptime NT = BASE >> (2 - vi)
         if v == vi and (EXTRA == 0 or rows_valid <= BASE):
             _p2_tile[down, BM, NT, 0, NWG, STAGES](
-                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0,
+                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e, row0,
                 rows_valid, n0,
             )
     comptime if EXTRA > 0:
         if rows_valid > BASE:
             _p2_tile[down, BM, BASE, EXTRA, NWG, STAGES](
-                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0,
+                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e, row0,
                 rows_valid, n0,
             )
 
@@ -1352,6 +1350,7 @@ def p2_absorbed_kernel[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
+    big_flags: Pointer[UInt8, ImmutAnyOrigin],
     top_k_: Int64,
     n_experts_: Int64,
     n_pairs_: Int64,
@@ -1384,7 +1383,7 @@ def p2_absorbed_kernel[
     var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]()
     var smem = raw.unsafe_offset((1024 - (Int(raw) & 1023)) & 1023)
     _p2_tile[down, BM, BASE, ABSORB, NWG, STAGES](
-        smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, top_k, n_rows, k_dim, e, row0, rows_valid, n0
+        smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e, row0, rows_valid, n0
     )
 
 
@@ -1443,6 +1442,7 @@ def _gate_up_cfg[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
+    big_flags: Pointer[UInt8, ImmutAnyOrigin],
     tokens: Int,
     top_k: Int,
     n_experts: Int,
@@ -1470,6 +1470,7 @@ def _gate_up_cfg[
             blocks,
             scales,
             bias,
+            big_flags,
             Int64(top_k),
             Int64(n_experts),
             Int64(rows),
@@ -1491,6 +1492,7 @@ def _gate_up_cfg[
                 blocks,
                 scales,
                 bias,
+                big_flags,
                 Int64(top_k),
                 Int64(n_experts),
                 Int64(n_pairs),
@@ -1533,6 +1535,7 @@ def _down_cfg[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
+    big_flags: Pointer[UInt8, ImmutAnyOrigin],
     tokens: Int,
     top_k: Int,
     n_experts: Int,
@@ -1557,6 +1560,7 @@ def _down_cfg[
             blocks,
             scales,
             bias,
+            big_flags,
             Int64(top_k),
             Int64(n_experts),
             Int64(hidden),
@@ -1578,6 +1582,7 @@ def _down_cfg[
                 blocks,
                 scales,
                 bias,
+                big_flags,
                 Int64(top_k),
                 Int64(n_experts),
                 Int64(n_pairs),
@@ -1628,16 +1633,18 @@ def launch_prefill_gate_up(
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
+    big_flags: Pointer[UInt8, ImmutAnyOrigin],
     tokens: Int,
     top_k: Int,
     n_experts: Int,
     rows: Int,
     hidden: Int,
 ) raises:
-    """Route + gate_up GEMM for a whole step (cfg from prefill_choice)."""
+    """Route + gate_up GEMM for a whole step (cfg from prefill_choice);
+    big_flags: the op's `big` input ([E, rows / 16] u8)."""
     comptime for c in range(N_CONFIGS):
         if cfg == c:
-            _gate_up_cfg[c](ctx, h, x, ids, blocks, scales, bias, tokens, top_k, n_experts, rows, hidden)
+            _gate_up_cfg[c](ctx, h, x, ids, blocks, scales, bias, big_flags, tokens, top_k, n_experts, rows, hidden)
 
 
 def launch_prefill_down[
@@ -1653,15 +1660,18 @@ def launch_prefill_down[
     blocks: Pointer[UInt8, ImmutAnyOrigin],
     scales: Pointer[UInt8, ImmutAnyOrigin],
     bias: Pointer[Float32, ImmutAnyOrigin],
+    big_flags: Pointer[UInt8, ImmutAnyOrigin],
     tokens: Int,
     top_k: Int,
     n_experts: Int,
     hidden: Int,
     inter: Int,
 ) raises:
-    """The down GEMM + top-k combine, reading the route gate_up left in h."""
+    """The down GEMM + top-k combine, reading the route gate_up left in h;
+    big_flags: the op's `big` input ([E, hidden / 16] u8)."""
     comptime for c in range(N_CONFIGS):
         if cfg == c:
             _down_cfg[c, out_dtype](
-                ctx, output, partial, h, ids, wts, blocks, scales, bias, tokens, top_k, n_experts, hidden, inter
+                ctx, output, partial, h, ids, wts, blocks, scales, bias, big_flags, tokens, top_k, n_experts, hidden,
+                inter,
             )

@@ -2,7 +2,7 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 
-from .moe_gate_up_mxfp4 import check_gate_up, gate_up_cpu, gate_up_gpu
+from .moe_gate_up_mxfp4 import check_big, check_gate_up, gate_up_cpu, gate_up_gpu
 from .moe_gpu import launch_route_gate_up
 from .moe_prefill_gpu import prefill_choice
 from .router_topk import check_topk, router_topk
@@ -22,7 +22,7 @@ struct MoeRouteGateUpMxfp4:
       weights  [T, K] f32      as gptoss_router_topk's
       x        [T, H]    bf16 | f32
       logits   [T, E]    x's dtype: the router's output (bias included)
-      blocks, scales, bias, path: as gptoss_moe_gate_up_mxfp4's
+      blocks, scales, bias, big, path: as gptoss_moe_gate_up_mxfp4's
 
     GPU: a one-token step (batch-1 decode) on the decode kernel is one launch,
     whose warps each take the top-k themselves (moe_gpu.launch_route_gate_up):
@@ -43,6 +43,7 @@ struct MoeRouteGateUpMxfp4:
         blocks: InputTensor[dtype=DType.uint8, rank=3, ...],
         scales: InputTensor[dtype=DType.uint8, rank=3, ...],
         bias: InputTensor[dtype=DType.float32, rank=2, ...],
+        big: InputTensor[dtype=DType.uint8, rank=2, ...],
         path: Int32,
         ctx: DeviceContext,
     ) raises:
@@ -62,6 +63,7 @@ struct MoeRouteGateUpMxfp4:
         comptime who = "gptoss_moe_route_gate_up_mxfp4"
         check_gate_up(n_count, rows, hidden, who)
         check_topk(n_experts, top_k, who)
+        check_big(big.dim_size[1](), big.dim_size[0](), n_experts, rows, who)
         if logits.dim_size[1]() != n_experts:
             raise Error(String(who) + ": logits must have one column per expert")
         poison[target](ctx, output.unsafe_ptr(), output.size())
@@ -81,7 +83,7 @@ struct MoeRouteGateUpMxfp4:
                 return
             router_topk[target, x.dtype](idp, wp, lp, tokens, n_experts, top_k, ctx)
             gate_up_gpu[x.dtype](
-                ctx, output.unsafe_ptr(), counters.unsafe_ptr(), n_count, xp, idp, bp, sp, biasp,
+                ctx, output.unsafe_ptr(), counters.unsafe_ptr(), n_count, xp, idp, bp, sp, biasp, big.unsafe_ptr(),
                 tokens, top_k, n_experts, rows, hidden, Int(path),
             )
             return

@@ -165,13 +165,17 @@ def moe_mxfp4(
     down_scales: TensorValue,  # [E, H, I/32] u8
     down_bias: TensorValue,  # [E, H] f32
     path: int | TensorValue = PATH_AUTO,  # or a CPU int32 scalar (benchmarks)
+    big: tuple[TensorValue, TensorValue] | None = None,  # gate_up's and down's `big` flags
 ) -> TensorValue:  # [T, H] x.dtype
     """gpt-oss experts with MXFP4 weights, reading only the routed experts.
     On the GPU, `path` (PATH_AUTO by default) picks the decode kernel or the
-    prefill grouped GEMM; the CPU ignores it."""
+    prefill grouped GEMM; the CPU ignores it. `big`: each projection's
+    `mxfp4.big_scale_groups` of its scales ([E, rows / 16] u8), computed
+    once when the weights are loaded; without it the graph computes them from
+    the scales on every run (exact, but a pass over every scale byte)."""
     topk_ids, topk_weights = _routing(x, topk_ids, topk_weights)
     experts = (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias)
-    return _mxfp4_experts(x, topk_ids, topk_weights, experts, path, None)
+    return _mxfp4_experts(x, topk_ids, topk_weights, experts, path, None, big)
 
 
 def moe_mxfp4_routed(
@@ -185,6 +189,7 @@ def moe_mxfp4_routed(
     down_scales: TensorValue,
     down_bias: TensorValue,
     path: int | TensorValue = PATH_AUTO,
+    big: tuple[TensorValue, TensorValue] | None = None,
 ) -> TensorValue:  # [T, H] x.dtype
     """`moe_mxfp4(x, *router_topk(logits, top_k), ...)` with the top-k inside the experts' first op
     (gptoss_moe_route_gate_up_mxfp4): on the GPU a one-token step then has no top-k launch of its
@@ -198,7 +203,7 @@ def moe_mxfp4_routed(
     ids_type = TensorType(DType.int32, [tokens, top_k], x.device)
     wts_type = TensorType(DType.float32, [tokens, top_k], x.device)
     experts = (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias)
-    return _mxfp4_experts(x, ids_type, wts_type, experts, path, logits)
+    return _mxfp4_experts(x, ids_type, wts_type, experts, path, logits, big)
 
 
 def _mxfp4_experts(
@@ -208,6 +213,7 @@ def _mxfp4_experts(
     experts: tuple[TensorValue, ...],  # moe_mxfp4's six expert tensors, in its order
     path: int | TensorValue,
     logits: TensorValue | None,
+    big: tuple[TensorValue, TensorValue] | None = None,
 ) -> TensorValue:
     gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = experts
     if x.dtype not in ACTIVATION_DTYPES:
@@ -222,17 +228,31 @@ def _mxfp4_experts(
     for rows_dim, k_dim in ((rows, x.shape[1]), (down_blocks.shape[1], down_blocks.shape[2] * 2)):
         if isinstance(rows_dim, StaticDim) and isinstance(k_dim, StaticDim):
             mxfp4.check_tileable(int(rows_dim), int(k_dim) // mxfp4.BLOCK)
+    if big is None:
+        big = (big_scale_groups(gate_up_scales), big_scale_groups(down_scales))
+    gate_up_big, down_big = big
     return _run_moe(
         "mxfp4",
         x,
         topk_ids,
         topk_weights,
-        [gate_up_blocks, gate_up_scales, _as(gate_up_bias, DType.float32)],
-        [down_blocks, down_scales, _as(down_bias, DType.float32)],
+        [gate_up_blocks, gate_up_scales, _as(gate_up_bias, DType.float32), gate_up_big],
+        [down_blocks, down_scales, _as(down_bias, DType.float32), down_big],
         down_blocks.shape[2] * 2,
         path,
         logits,
     )
+
+
+def big_scale_groups(scales: TensorValue) -> TensorValue:
+    """`mxfp4.big_scale_groups` in the graph: `scales [E, rows, nb]` u8 (rows a multiple of 16,
+    as the tiled layout needs; the op checks it) -> `[E, rows / 16]` u8, 1 where a scale byte of
+    the group's 16 rows is above 128."""
+    e, rows, nb = scales.shape
+    g = mxfp4.TILE_ROWS
+    wide = ops.cast(scales, DType.int32).rebind([e, (rows // g) * g, nb])
+    peak = ops.max(ops.reshape(wide, [e, rows // g, nb * g]), axis=-1)  # [E, rows / 16, 1]
+    return ops.cast(ops.reshape(ops.greater(peak, mxfp4.BIG_SCALE), [e, rows // g]), DType.uint8)
 
 
 def moe_bf16(
