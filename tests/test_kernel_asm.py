@@ -348,3 +348,47 @@ def test_moe_host_launch_code_builds_for_hopper(asm, tmp_path):
         4: ("False", "True"),
         8: ("False", "False"),
     }
+
+
+PREFILL_LAUNCH = """
+from std.sys import argv
+from max.gpu.host import DeviceContext
+from gptoss_kernels.moe_gate_up_mxfp4 import gate_up_gpu
+from gptoss_kernels.moe_prefill_gpu import N_CONFIGS, launch_prefill_down, launch_prefill_gate_up, prefill_choice
+
+
+def launch_all(ctx: DeviceContext) raises:
+    # never run here (no GPU): it makes the compiler build every tile config's launches (route,
+    # GEMMs, absorbed tiles, combine) and each kernel they enqueue for nvidia:90
+    var h = Pointer[Float32, MutAnyOrigin](unsafe_from_address=4096)
+    var c = Pointer[UInt32, MutAnyOrigin](unsafe_from_address=4096)
+    var ids = Pointer[Int32, ImmutAnyOrigin](unsafe_from_address=4096)
+    var u8 = Pointer[UInt8, ImmutAnyOrigin](unsafe_from_address=4096)
+    var f = Pointer[Float32, ImmutAnyOrigin](unsafe_from_address=4096)
+    var xb = Pointer[BFloat16, ImmutAnyOrigin](unsafe_from_address=4096)
+    var ob = Pointer[BFloat16, MutAnyOrigin](unsafe_from_address=4096)
+    for cfg in range(N_CONFIGS):
+        launch_prefill_gate_up(ctx, cfg, h, xb, ids, u8, u8, f, u8, 4096, 4, 128, 5760, 2880)
+        launch_prefill_down[DType.bfloat16](ctx, cfg, ob, h, f, ids, f, u8, u8, f, u8, 4096, 4, 128, 2880, 2880)
+    gate_up_gpu[DType.bfloat16](ctx, h, c, 360, xb, ids, u8, u8, f, u8, 4096, 4, 128, 5760, 2880, 0)
+
+
+def main() raises:
+    if len(argv()) > 1000:
+        launch_all(DeviceContext())
+    # (tokens, experts) -> the auto path's choice: -1 the decode kernel, else a tile config
+    for t in [1, 64, 4096]:
+        print("choice", t, prefill_choice(t, 4, 32, 2880, 2880, 0), prefill_choice(t, 4, 128, 2880, 2880, 0))
+"""
+
+
+def test_prefill_host_launch_code_builds_for_hopper(asm, tmp_path):
+    """The prefill path's launch code (every tile config of both GEMMs, and the gate_up op's GPU
+    entry) is compiled by no CPU test either: this builds it for nvidia:90 (a launch whose
+    arguments stop matching its kernel's parameters fails here), and reads the auto choice: the
+    decode kernel at one token, a prefill config at 4096."""
+    out = asm.run_program(PREFILL_LAUNCH, tmp_path, "prefill_launch")
+    lines = (line.split() for line in out.splitlines() if line.startswith("choice"))
+    rows = {int(t): (int(a), int(b)) for _, t, a, b in lines}
+    assert rows[1] == (-1, -1)
+    assert min(rows[4096]) >= 0
