@@ -299,15 +299,10 @@ def test_ptx_of_the_lean_gate_up_with_more_tiles_per_block(asm, tmp_path):
     assert len(mmas) == 1  # one lean tile per warp whatever the block
 
 
-HOST_LAUNCH = """
-from std.sys import argv
-from max.gpu.host import DeviceContext
-from gptoss_kernels.moe_gpu import as_slots, launch_down, launch_gate_up, launch_route_gate_up
-
-
-def launch_all(ctx: DeviceContext) raises:
-    # never run here (no GPU): it makes the compiler build every launch branch, and each kernel
-    # they enqueue for nvidia:90
+# Stand-in pointers for launch code that is built, never run (no GPU here): a program's
+# `launch_all` starts with these, then makes the compiler build every launch branch it calls, and
+# each kernel they enqueue, for nvidia:90.
+LAUNCH_POINTERS = """
     var h = Pointer[Float32, MutAnyOrigin](unsafe_from_address=4096)
     var c = Pointer[UInt32, MutAnyOrigin](unsafe_from_address=4096)
     var ids = Pointer[Int32, ImmutAnyOrigin](unsafe_from_address=4096)
@@ -318,6 +313,16 @@ def launch_all(ctx: DeviceContext) raises:
     var ob = Pointer[BFloat16, MutAnyOrigin](unsafe_from_address=4096)
     var x32 = Pointer[Float32, ImmutAnyOrigin](unsafe_from_address=4096)
     var o32 = Pointer[Float32, MutAnyOrigin](unsafe_from_address=4096)
+"""
+
+HOST_LAUNCH = """
+from std.sys import argv
+from max.gpu.host import DeviceContext
+from gptoss_kernels.moe_gpu import as_slots, launch_down, launch_gate_up, launch_route_gate_up
+
+
+def launch_all(ctx: DeviceContext) raises:
+""" + LAUNCH_POINTERS + """
     launch_gate_up[DType.bfloat16](ctx, h, c, 8, xb, ids, u8, u8, f, 2, 4, 32, 5760, 2880)
     launch_gate_up[DType.float32](ctx, h, c, 8, x32, ids, u8, u8, f, 4, 4, 128, 5760, 2880)
     launch_route_gate_up[DType.bfloat16](ctx, h, c, 8, xb, xb, ids_out, h, u8, u8, f, 4, 128, 5760, 2880)
@@ -358,15 +363,8 @@ from gptoss_kernels.moe_prefill_gpu import N_CONFIGS, launch_prefill_down, launc
 
 
 def launch_all(ctx: DeviceContext) raises:
-    # never run here (no GPU): it makes the compiler build every tile config's launches (route,
-    # GEMMs, absorbed tiles, combine) and each kernel they enqueue for nvidia:90
-    var h = Pointer[Float32, MutAnyOrigin](unsafe_from_address=4096)
-    var c = Pointer[UInt32, MutAnyOrigin](unsafe_from_address=4096)
-    var ids = Pointer[Int32, ImmutAnyOrigin](unsafe_from_address=4096)
-    var u8 = Pointer[UInt8, ImmutAnyOrigin](unsafe_from_address=4096)
-    var f = Pointer[Float32, ImmutAnyOrigin](unsafe_from_address=4096)
-    var xb = Pointer[BFloat16, ImmutAnyOrigin](unsafe_from_address=4096)
-    var ob = Pointer[BFloat16, MutAnyOrigin](unsafe_from_address=4096)
+""" + LAUNCH_POINTERS + """
+    # every tile config's launches: route, GEMMs, absorbed tiles, combine
     for cfg in range(N_CONFIGS):
         launch_prefill_gate_up(ctx, cfg, h, xb, ids, u8, u8, f, u8, 4096, 4, 128, 5760, 2880)
         launch_prefill_down[DType.bfloat16](ctx, cfg, ob, h, f, ids, f, u8, u8, f, u8, 4096, 4, 128, 2880, 2880)
