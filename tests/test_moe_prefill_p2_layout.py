@@ -28,8 +28,8 @@ CASES = {"n64": (128, 64, 0, 61), "n128+32": (160, 128, 32, 150)}
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
-    P2_BK, P2_B_STRIDE, p2_acc_gate, p2_acc_up, p2_b_src, p2_frag, p2_group_scales, p2_nt_variant, p2_row0,
-    p2_part_desc, p2_row_mults, p2_s_row, p2_scale_window, p2_stage_bytes, p2_x_dst, p2_x_row,
+    P2_BK, P2_B_STRIDE, p2_acc_gate, p2_acc_up, p2_b_src, p2_frag, p2_nt_variant, p2_row0,
+    p2_part_desc, p2_row_mults, p2_rows_big, p2_s_row, p2_scale_window, p2_stage_bytes, p2_x_dst, p2_x_row,
     packed_unit, wgmma_desc_sw128,
 )
 from gptoss_kernels.moe_common import scale_bytes_above_128
@@ -71,9 +71,18 @@ def main() raises:
     for r in range(BN * K // 32):  # tiled order: 16-row groups of K / 2 bytes
         var v = 112 + lcg(s) % 16
         var grp = r // (K // 2)
-        if (grp == 2 or grp == 5) and r % 7 == 3:  # two groups take the two-multiply path
+        if (grp == 2 or grp == 3) and r % 7 == 3:  # warpgroup 0's rows take the two-multiply path
             v = 129 + lcg(s) % 4
         scales.append(UInt8(v))
+    # the op's `big` input for these rows (mxfp4.big_scale_groups): one flag per 16-row group
+    var flags = List[UInt8]()
+    for g in range(BN // 16):
+        var any = UInt8(0)
+        for j in range(K // 2):
+            if scales[g * (K // 2) + j] > 128:
+                any = 1
+        flags.append(any)
+    var fp = Pointer[UInt8, ImmutAnyOrigin](unsafe_from_address=Int(flags.unsafe_ptr()))
     print("variant", p2_nt_variant(ROWS_VALID, BM))
     for i in range(ROWS * K):
         print("x", i, x[i])
@@ -107,14 +116,13 @@ def main() raises:
             for j in range(64):
                 line += " " + String(Int(smem[st + a + j]))
             print(line)
-        # compute roles: the warp's tile-wide scan for scales above 128, the
+        # compute roles: the warpgroup's path from the `big` flags (as _p2_tile reads them), the
         # stage's scale window, the A fragments, the descriptors
         for tid in range(THREADS):
             var r0 = p2_row0(tid)
-            var g0 = p2_group_scales(0, BN, r0 & ~15, K)
-            var big = False
-            for j in range(K // 2):
-                big = big or scales[g0 + j] > 128
+            var big = p2_rows_big(fp, 0, BN, r0 & ~63)
+            if kb == 0:
+                print("big", tid, 1 if big else 0)
             var win = ld32(smem, st + BM * 128 + BN * 32 + r0 * 4)
             var q = tid & 3
             for blk in range(2):
@@ -308,6 +316,20 @@ def test_scale_scan_flags_exactly_the_bytes_above_128(probe):
         got = int.from_bytes(b"".join(w.to_bytes(4, "little") for w in words), "little")
         want = (0x80 << (8 * p)) if v > 128 else 0
         assert got == want, (v, p, hex(got))
+
+
+def test_each_warpgroup_takes_its_rows_path_from_the_flags(probe):
+    """_p2_tile's choice (moe_prefill_gpu.p2_rows_big over the `big` input): the two-multiply
+    path exactly for the warpgroups whose 64 rows hold a scale byte above 128 (the program puts
+    some in 16-row groups 2 and 3: warpgroup 0 takes it, warpgroup 1 not), the same for every
+    thread of a warpgroup."""
+    scales = np.array([v for _, v in sorted(probe["s"])], dtype=np.uint8).reshape(1, BN, K // 32)
+    groups = mxfp4.big_scale_groups(scales)[0]  # either layout: the same bytes per group
+    assert groups.tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    big = dict(probe["big"])
+    for tid in range(THREADS):
+        wg = tid // 128
+        assert big[tid] == int(groups[4 * wg : 4 * wg + 4].any()), tid
 
 
 def test_replay_notices_a_wrong_swizzle(probe):
