@@ -53,7 +53,7 @@ def _from_numpy(arr: np.ndarray, name: str) -> WeightData:
 
 def _convert(name: str, data: WeightData, dtype: DType, owned: bool = False) -> list[WeightData]:
     """The module's tensors made from one checkpoint tensor: itself converted, and for MXFP4
-    scales also their `big` flags (`mxfp4.big_scale_groups`: which 64-row groups hold a scale
+    scales also their `big` flags (`mxfp4.big_scale_groups`: which 16-row groups hold a scale
     byte above 128, read by the prefill GEMM instead of scanning the scales). `owned`: nothing
     else reads `data`'s memory (a synthetic tensor handed over), so the MXFP4 repack may rewrite
     it in place instead of filling a new array."""

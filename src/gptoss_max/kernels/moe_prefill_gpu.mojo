@@ -898,15 +898,6 @@ def _p2_issue[
         )
 
 
-@always_inline
-def p2_group_scales(e: Int, n_rows: Int, row: Int, k_dim: Int) -> Int:
-    """Byte offset of the scales of the 16-row group holding `row` (clamped to
-    the last group): its K / 2 bytes are contiguous and 16-byte aligned in the
-    tiled layout (blocks 2kb, 2kb + 1 of its row r at + 32 kb + 2 (r & 15)):
-    the scale offset of the group's first row."""
-    return p2_s_row(e, n_rows, 0, min(row, n_rows - 1) & ~15, k_dim)
-
-
 # The MoE ops' `big` input holds, per expert, one byte per 16-row group of weight rows
 # (mxfp4.big_scale_groups, the tiled layout's TILE_ROWS): 1 when a scale byte of those rows is
 # above 128.
@@ -1297,8 +1288,9 @@ def p2_gemm_kernel[
 ):
     """gemm_kernel's contract (gate_up: A = x gathered by pair, N = 2I rows,
     writes h_out in natural k order; down: A = sorted h, N = H, writes partial
-    by pair) on wgmma; big_flags: the op's `big` input (_p2_tile). BM tokens x 64 * NWG weight rows per block, 128 * NWG
-    threads, dynamic shared memory p2_smem_bytes."""
+    by pair) on wgmma; big_flags: the op's `big` input (_p2_tile). BM tokens x
+    64 * NWG weight rows per block, 128 * NWG threads, dynamic shared memory
+    p2_smem_bytes."""
     comptime BN = 64 * NWG
     var top_k = Int(top_k_)
     var n_experts = Int(n_experts_)
@@ -1324,14 +1316,14 @@ def p2_gemm_kernel[
         comptime NT = BASE >> (2 - vi)
         if v == vi and (EXTRA == 0 or rows_valid <= BASE):
             _p2_tile[down, BM, NT, 0, NWG, STAGES](
-                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e, row0,
-                rows_valid, n0,
+                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e,
+                row0, rows_valid, n0,
             )
     comptime if EXTRA > 0:
         if rows_valid > BASE:
             _p2_tile[down, BM, BASE, EXTRA, NWG, STAGES](
-                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e, row0,
-                rows_valid, n0,
+                smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e,
+                row0, rows_valid, n0,
             )
 
 
@@ -1383,7 +1375,8 @@ def p2_absorbed_kernel[
     var raw = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]()
     var smem = raw.unsafe_offset((1024 - (Int(raw) & 1023)) & 1023)
     _p2_tile[down, BM, BASE, ABSORB, NWG, STAGES](
-        smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e, row0, rows_valid, n0
+        smem, h_out, partial, a_src, sorted, wts, blocks, scales, bias, big_flags, top_k, n_rows, k_dim, e, row0,
+        rows_valid, n0,
     )
 
 
