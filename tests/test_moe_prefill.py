@@ -18,7 +18,7 @@ from gptoss_max import mxfp4
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
     ABSORB, N_CONFIGS, PREFILL_MIN_PAIRS_PER_EXPERT, PREFILL_MIN_PAIRS, decode_word, expert_tiles, find_tile,
-    prefill_choice,
+    max_m_tiles, meta_tiles, meta_words, prefill_choice, write_expert_tiles,
 )
 from gptoss_kernels.moe_gpu import A_BF16, A_F32, _decode_block, _load_a
 from std.memory import bitcast
@@ -105,22 +105,39 @@ def main() raises:
         for j in range(32):
             fline += " " + String(xf[j])
         print(fline)
-    # tiles: counts per expert -> tile starts as the route kernel writes them
-    var n_experts = 9
-    var bm = 64
-    var nt = 3
-    var ts = List[Int32]()
-    var counts = [0, 5, 64, 65, 0, 0, 200, 1, 128]
-    var acc = 0
+    # tiles: counts per expert -> offsets, tile starts and the tile table as the route kernel writes
+    # them (its thread 0's loop, then write_expert_tiles per expert); find_tile reads them back
+    var counts = [0, 5, 64, 65, 0, 0, 200, 1, 128, 129, 160, 161, 300, 257]
+    var n_experts = len(counts)
+    var n_pairs = 0
     for e in range(n_experts):
-        ts.append(Int32(acc))
-        acc += (counts[e] + bm - 1) // bm
-    ts.append(Int32(acc))
+        n_pairs += counts[e]
     for e in range(n_experts):
         print("count", e, counts[e])
-    for b in range(acc * nt + 5):
-        var r = find_tile(Pointer(to=ts[0]), n_experts, nt, b)
-        print("tile", b, r[0], r[1], r[2], r[3])
+    for spec in [(64, 0, 3), (128, ABSORB, 2), (32, 0, 1)]:
+        var bm = spec[0]
+        var absorb = spec[1]
+        var nt = spec[2]
+        var meta = List[Int32](length=meta_words(n_pairs, n_experts), fill=-7)
+        var o = 0
+        var t = 0
+        for e in range(n_experts):
+            meta[e] = Int32(o)
+            meta[n_experts + 1 + e] = Int32(t)
+            o += counts[e]
+            t += Int(expert_tiles(counts[e], bm, absorb)[0])
+        meta[n_experts] = Int32(o)
+        meta[2 * n_experts + 1] = Int32(t)
+        var mp = Pointer(to=meta[0])
+        for e in range(n_experts):
+            write_expert_tiles(
+                rebind[Pointer[Int32, MutAnyOrigin]](mp.unsafe_offset(meta_tiles(n_experts, n_pairs))), e,
+                Int(meta[n_experts + 1 + e]), Int(meta[n_experts + 2 + e]),
+            )
+        print("tilecfg", bm, absorb, nt, t, max_m_tiles(n_pairs, n_experts, bm))
+        for b in range(max_m_tiles(n_pairs, n_experts, bm) * nt):
+            var r = find_tile(mp, n_experts, n_pairs, nt, b)
+            print("tile", bm, b, r[0], r[1], r[2], r[3])
     # c10's tiling: (regular 128-row tiles, absorbed tile or not) per count, absorbing <= ABSORB
     print("absorb", ABSORB)
     for c in [0, 1, 128, 129, 160, 161, 256, 257, 288, 289, 300, 512, 544, 545]:
@@ -262,19 +279,39 @@ def test_decode_kernel_activation_order_matches_its_pairs(lines) -> None:
 
 
 def test_tiles_cover_each_expert_tile_once(lines) -> None:
+    """The route's tile table read back by find_tile: over the whole grid (max_m_tiles m tiles, so
+    no entry past the table is read), every (expert, m tile, n tile) of the tiling the route counts
+    once (c10's: an absorbed expert's last two tiles left to the second launch); blocks past the
+    last tile report none."""
     counts = {int(e): int(c) for e, c in _rows(lines, "count")}
-    bm, nt = 64, 3
-    want = {(e, m, n) for e, c in counts.items() for m in range(-(-c // bm)) for n in range(nt)}
-    seen, order = [], []
-    for b, e, m, n, ok in (map(int, r) for r in _rows(lines, "tile")):
-        if b < len(want):
-            assert ok == 1, b
-            seen.append((e, m, n))
-            order.append(b)
-        else:
-            assert ok == 0, b
-    assert sorted(seen) == sorted(want) and len(seen) == len(want)
-    # m tiles of one expert are adjacent for each n tile (they share its weights in L2)
-    for e in counts:
-        tiles = [t for t in seen if t[0] == e]
-        assert tiles == sorted(tiles, key=lambda t: (t[2], t[1]))
+    cfgs = _rows(lines, "tilecfg")
+    assert len(cfgs) == 3
+    tiles = _rows(lines, "tile")
+    for bm, absorb, nt, total, bound in (map(int, r) for r in cfgs):
+        want = set()
+        for e, c in counts.items():
+            m = -(-c // bm)
+            if absorb and m >= 2 and c - bm * (m - 1) <= absorb:
+                m -= 2
+            for mt in range(m):
+                for n in range(nt):
+                    want.add((e, mt, n))
+        assert total == len(want) // nt and total <= bound
+        rows = [list(map(int, r[1:])) for r in tiles if int(r[0]) == bm]
+        assert [r[0] for r in rows] == list(range(bound * nt))
+        seen = []
+        for b, e, m, n, ok in rows:
+            if b < total * nt:
+                assert ok == 1, (bm, b)
+                assert (e, m, n) in want, (bm, b, e, m, n)
+                seen.append((e, m, n))
+            else:
+                assert (e, m, n, ok) == (0, 0, 0, 0), (bm, b)
+        assert sorted(seen) == sorted(want) and len(seen) == len(want)
+        # blocks run expert-major, and the m tiles of one expert are adjacent for each n tile
+        # (they share its weights in L2)
+        assert [t[0] for t in seen] == sorted(t[0] for t in seen)
+        for e in counts:
+            mine = [t for t in seen if t[0] == e]
+            assert mine == sorted(mine, key=lambda t: (t[2], t[1]))
+    assert any(int(c) > 1 for *_, c in (r for r in cfgs))  # some config has several n tiles

@@ -11,9 +11,10 @@
 #   combine             out[t] = sum_k partial[t * K + k]  (fixed k order)
 #
 # The GPU never reads a per-step count on the host: a GEMM block finds its
-# (expert, m tile, n tile) in the route's tile starts; blocks past the last
-# tile return. Output is deterministic: each row of a GEMM is independent of
-# the rows it shares a tile with, and combine sums in k order.
+# (expert, m tile, n tile) in the route's tile table (one entry per m tile,
+# read in one round trip); blocks past the last tile return. Output is
+# deterministic: each row of a GEMM is independent of the rows it shares a
+# tile with, and combine sums in k order.
 #
 # Buffers (the ops' h [T, K, I] f32 is opaque on the GPU):
 #   h bytes [0, 2 P I)       sorted h, bf16 [P, I], natural order
@@ -23,6 +24,10 @@
 #     [2E + 2, 2E + 2 + P)   sorted position -> pair index t * K + k
 #     [2E + 2 + P, 3E + 3 + P)  count, then ids of the experts with an
 #                            absorbed tile (c10; count 0 otherwise)
+#     [3E + 3 + P, + 2 M)    tile table: per m tile g (expert-major, as the
+#                            tile starts number them) its expert + 256 x
+#                            the expert's tiles, and the expert's tile
+#                            start; M = max_m_tiles at the smallest BM
 #   partial [P, H] f32       (the down op's scratch), indexed by pair.
 #
 # Inner product (per 32-element MXFP4 block, two k16 mma): lane (g, q)
@@ -199,10 +204,26 @@ def meta_absorbed(n_experts: Int, n_pairs: Int) -> Int:
     return meta_sorted(n_experts) + n_pairs
 
 
+@always_inline
+def meta_tiles(n_experts: Int, n_pairs: Int) -> Int:
+    """Word offset of the tile table in meta (after the absorbed-expert list)."""
+    return meta_absorbed(n_experts, n_pairs) + n_experts + 1
+
+
+comptime MIN_BM = 32  # the smallest token tile of any config (c4)
+
+
+@always_inline
+def max_m_tiles(n_pairs: Int, n_experts: Int, bm: Int) -> Int:
+    """Upper bound on m tiles from shapes: sum_e ceil(n_e / BM) <= ceil(P / BM) + min(E, P)."""
+    return (n_pairs + bm - 1) // bm + min(n_experts, n_pairs)
+
+
 def meta_words(n_pairs: Int, n_experts: Int) -> Int:
     """offsets [E + 1], tile starts [E + 1], sorted pair ids [P], absorbed
-    experts: a count and up to E ids (c10)."""
-    return meta_absorbed(n_experts, n_pairs) + n_experts + 1
+    experts: a count and up to E ids (c10), the tile table (2 words per m
+    tile, as many as the smallest BM can have)."""
+    return meta_tiles(n_experts, n_pairs) + 2 * max_m_tiles(n_pairs, n_experts, MIN_BM)
 
 
 def prefill_feasible(tokens: Int, top_k: Int, n_experts: Int, hidden: Int, inter: Int) -> Bool:
@@ -263,29 +284,44 @@ def decode_word(w: UInt32, s: UInt32) -> SIMD[DType.uint32, 4]:
 
 
 @always_inline
-def find_tile(ts: Pointer[Int32, _], n_experts: Int, n_tiles_n: Int, b: Int) -> SIMD[DType.int32, 4]:
+def write_expert_tiles(tab: Pointer[Int32, MutAnyOrigin], e: Int, t0: Int, t1: Int):
+    """The route's tile-table entries of expert e: its m tiles t0 .. t1 - 1
+    (tile starts), each (e + 256 * its tile count, t0); e < 256 =
+    PREFILL_MAX_EXPERTS."""
+    for g in range(t0, t1):
+        tab[unsafe_offset=2 * g] = Int32(e + PREFILL_MAX_EXPERTS * (t1 - t0))
+        tab[unsafe_offset=2 * g + 1] = Int32(t0)
+
+
+@always_inline
+def find_tile(
+    meta: Pointer[Int32, _], n_experts: Int, n_pairs: Int, n_tiles_n: Int, b: Int
+) -> SIMD[DType.int32, 4]:
     """Block b of a GEMM grid -> (expert, m tile within it, n tile, ok).
-    Blocks are expert-major, then n tile, then m tile (m fastest, so the
-    m tiles of one expert share its weight tile in L2); ts = tile starts."""
+    Blocks are expert-major, then n tile, then m tile (m fastest, so the m
+    tiles of one expert share its weight tile in L2): block b lies in global
+    m tile g = b // NT (ts[e] * NT <= b < ts[e + 1] * NT), whose entry in
+    the route's tile table holds e, its tile count and ts[e]. The entry and
+    the tile count are loaded together: one round trip, where a binary search
+    over the tile starts took seven dependent ones. The grid never passes the
+    table (_grid), so the entry load stays inside meta. 32-bit arithmetic: a
+    64-bit division is a long subroutine. (The kernel then reads the expert's
+    rows from the offsets; taking them from the table too made ptxas spill in
+    the p2 k loops at the 128-register cap.)"""
     var res = SIMD[DType.int32, 4](0)
-    var total = Int(ts[unsafe_offset=n_experts]) * n_tiles_n
-    if b >= total:
+    var nt_n = UInt32(n_tiles_n)
+    var g = UInt32(b) // nt_n
+    var ent = meta.unsafe_offset(meta_tiles(n_experts, n_pairs) + 2 * Int(g))
+    var total = UInt32(meta[unsafe_offset=2 * n_experts + 1])
+    var w0 = UInt32(ent[unsafe_offset=0])
+    var t0 = UInt32(ent[unsafe_offset=1])
+    if g >= total:
         return res
-    # largest e with ts[e] * NT <= b; then ts[e + 1] * NT > b (nonempty)
-    var lo = 0
-    var hi = n_experts
-    while hi - lo > 1:
-        var mid = (lo + hi) >> 1
-        if Int(ts[unsafe_offset=mid]) * n_tiles_n <= b:
-            lo = mid
-        else:
-            hi = mid
-    var t0 = Int(ts[unsafe_offset=lo])
-    var mt = Int(ts[unsafe_offset=lo + 1]) - t0
-    var local = b - t0 * n_tiles_n
-    res[0] = Int32(lo)
-    res[1] = Int32(local % mt)
-    res[2] = Int32(local // mt)
+    var mt_e = w0 // UInt32(PREFILL_MAX_EXPERTS)
+    var local = UInt32(b) - t0 * nt_n
+    res[0] = Int32(w0 % UInt32(PREFILL_MAX_EXPERTS))
+    res[1] = Int32(local % mt_e)
+    res[2] = Int32(local // mt_e)
     res[3] = 1
     return res
 
@@ -419,6 +455,11 @@ def route_kernel(
         meta[unsafe_offset=2 * n_experts + 1] = Int32(t)
         abs_list[unsafe_offset=0] = Int32(n_abs)
     barrier()
+    if tid < n_experts:  # the tile table, a thread per expert (thread 0's writes are visible after the barrier)
+        write_expert_tiles(
+            meta.unsafe_offset(meta_tiles(n_experts, n_pairs)), tid, Int(meta[unsafe_offset=n_experts + 1 + tid]),
+            Int(meta[unsafe_offset=n_experts + 2 + tid]),
+        )
     var sorted = meta.unsafe_offset(meta_sorted(n_experts))
     if stable_ != 0:
         _scatter_stable(sorted, ids, n_pairs, n_experts, cur)
@@ -488,6 +529,7 @@ def gemm_kernel[
     bias: Pointer[Float32, ImmutAnyOrigin],
     top_k_: Int64,
     n_experts_: Int64,
+    n_pairs_: Int64,
     n_rows_: Int64,
     k_dim_: Int64,
 ):
@@ -506,15 +548,13 @@ def gemm_kernel[
     var k_dim = Int(k_dim_)
     var nkb = k_dim // 32
     var n_tiles_n = (n_rows + BN - 1) // BN
-    var off = meta
-    var ts = meta.unsafe_offset(n_experts + 1)
     var sorted = meta.unsafe_offset(meta_sorted(n_experts))
-    var tile = find_tile(ts, n_experts, n_tiles_n, Int(block_idx.x))
+    var tile = find_tile(meta, n_experts, Int(n_pairs_), n_tiles_n, Int(block_idx.x))
     if tile[3] == 0:
         return
     var e = Int(tile[0])
-    var row0 = Int(off[unsafe_offset=e]) + Int(tile[1]) * BM
-    var rows_valid = min(BM, Int(off[unsafe_offset=e + 1]) - row0)
+    var row0 = Int(meta[unsafe_offset=e]) + Int(tile[1]) * BM
+    var rows_valid = min(BM, Int(meta[unsafe_offset=e + 1]) - row0)
     var n0 = Int(tile[2]) * BN
 
     var a_sm = stack_allocation[STAGES * BM * 32, BFloat16, alignment=16, address_space=AddressSpace.SHARED]()
@@ -1283,6 +1323,7 @@ def p2_gemm_kernel[
     big_flags: Pointer[UInt8, ImmutAnyOrigin],
     top_k_: Int64,
     n_experts_: Int64,
+    n_pairs_: Int64,
     n_rows_: Int64,
     k_dim_: Int64,
 ):
@@ -1297,9 +1338,8 @@ def p2_gemm_kernel[
     var n_rows = Int(n_rows_)
     var k_dim = Int(k_dim_)
     var n_tiles_n = (n_rows + BN - 1) // BN
-    var ts = meta.unsafe_offset(n_experts + 1)
     var sorted = meta.unsafe_offset(meta_sorted(n_experts))
-    var tile = find_tile(ts, n_experts, n_tiles_n, Int(block_idx.x))
+    var tile = find_tile(meta, n_experts, Int(n_pairs_), n_tiles_n, Int(block_idx.x))
     if tile[3] == 0:
         return
     var e = Int(tile[0])
@@ -1420,9 +1460,9 @@ def _meta_ptr(h: Pointer[Float32, _], n_pairs: Int, inter: Int) -> Pointer[Int32
 
 
 def _grid(n_pairs: Int, n_experts: Int, n_rows: Int, bm: Int, bn: Int) -> Int:
-    """Upper bound on GEMM blocks from shapes: sum_e ceil(n_e / BM) <=
-    ceil(P / BM) + min(E, P) m tiles, times the n tiles."""
-    return ((n_pairs + bm - 1) // bm + min(n_experts, n_pairs)) * ((n_rows + bn - 1) // bn)
+    """Upper bound on GEMM blocks from shapes: max_m_tiles times the n tiles
+    (so find_tile's table rows stay inside meta, bm >= MIN_BM)."""
+    return max_m_tiles(n_pairs, n_experts, bm) * ((n_rows + bn - 1) // bn)
 
 
 def _gate_up_cfg[
@@ -1466,6 +1506,7 @@ def _gate_up_cfg[
             big_flags,
             Int64(top_k),
             Int64(n_experts),
+            Int64(n_pairs),
             Int64(rows),
             Int64(hidden),
             grid_dim=_grid(n_pairs, n_experts, rows, BM, BN),
@@ -1509,6 +1550,7 @@ def _gate_up_cfg[
             bias,
             Int64(top_k),
             Int64(n_experts),
+            Int64(n_pairs),
             Int64(rows),
             Int64(hidden),
             grid_dim=_grid(n_pairs, n_experts, rows, BM, BN),
@@ -1556,6 +1598,7 @@ def _down_cfg[
             big_flags,
             Int64(top_k),
             Int64(n_experts),
+            Int64(n_pairs),
             Int64(hidden),
             Int64(inter),
             grid_dim=_grid(n_pairs, n_experts, hidden, BM, BN),
@@ -1599,6 +1642,7 @@ def _down_cfg[
             bias,
             Int64(top_k),
             Int64(n_experts),
+            Int64(n_pairs),
             Int64(hidden),
             Int64(inter),
             grid_dim=_grid(n_pairs, n_experts, hidden, BM, BN),
