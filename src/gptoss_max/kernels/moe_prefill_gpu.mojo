@@ -28,7 +28,8 @@
 #                            tile starts number them) its expert + 256 x
 #                            the expert's tiles, and the expert's tile
 #                            start; M = max_m_tiles at the smallest BM
-#   partial [P, H] f32       (the down op's scratch), indexed by pair.
+#   partial [P, H] bf16      in the down op's f32 scratch (its first half),
+#                            indexed by pair.
 #
 # Inner product (per 32-element MXFP4 block, two k16 mma): lane (g, q)
 # decodes word q of its weight row's 16-byte block (the layout's word repack:
@@ -435,31 +436,48 @@ def route_kernel(
             if e >= 0 and e < n_experts:
                 _ = Atomic.fetch_add[ordering=Ordering.RELAXED](cnt.unsafe_offset(e), 1)
     barrier()
-    if tid == 0:
-        var o = 0
-        var t = 0
-        var n_abs = 0
-        var abs_list = meta.unsafe_offset(meta_absorbed(n_experts, n_pairs))
-        for e in range(n_experts):
-            var c = Int(cnt[unsafe_offset=e])
-            meta[unsafe_offset=e] = Int32(o)
-            meta[unsafe_offset=n_experts + 1 + e] = Int32(t)
-            cur[unsafe_offset=e] = Int32(o)
-            o += c
-            var et = expert_tiles(c, bm, absorb)
-            t += Int(et[0])
-            if et[1] != 0:
-                abs_list[unsafe_offset=1 + n_abs] = Int32(e)
-                n_abs += 1
-        meta[unsafe_offset=n_experts] = Int32(o)
-        meta[unsafe_offset=2 * n_experts + 1] = Int32(t)
-        abs_list[unsafe_offset=0] = Int32(n_abs)
+    # Offsets, tile starts and the absorbed list: a thread per expert, its count's tiles, then
+    # inclusive scans of (pairs, tiles, absorbed) over the experts in shared memory (Hillis-Steele,
+    # log2 E rounds). One thread walking the experts in turn took most of the route's ~40 us at
+    # 120b T = 4096 (ncu, 2026-11-30): a dependent chain with a 64-bit division per expert.
+    var scan = stack_allocation[3 * PREFILL_MAX_EXPERTS, Int32, address_space=AddressSpace.SHARED]()
+    var mine = SIMD[DType.int32, 4](0)  # this thread's expert: pairs, regular tiles, absorbed (0 / 1)
+    if tid < n_experts:
+        var c = Int(cnt[unsafe_offset=tid])
+        var et = expert_tiles(c, bm, absorb)
+        mine = SIMD[DType.int32, 4](Int32(c), et[0], et[1], 0)
+    if tid < PREFILL_MAX_EXPERTS:
+        comptime for j in range(3):
+            scan[unsafe_offset=j * PREFILL_MAX_EXPERTS + tid] = mine[j]
     barrier()
-    if tid < n_experts:  # the tile table, a thread per expert (thread 0's writes are visible after the barrier)
-        write_expert_tiles(
-            meta.unsafe_offset(meta_tiles(n_experts, n_pairs)), tid, Int(meta[unsafe_offset=n_experts + 1 + tid]),
-            Int(meta[unsafe_offset=n_experts + 2 + tid]),
-        )
+    var d = 1
+    while d < n_experts:  # block-uniform
+        var add = SIMD[DType.int32, 4](0)
+        if tid < n_experts and tid >= d:
+            comptime for j in range(3):
+                add[j] = scan[unsafe_offset=j * PREFILL_MAX_EXPERTS + tid - d]
+        barrier()
+        if tid < n_experts and tid >= d:
+            comptime for j in range(3):
+                scan[unsafe_offset=j * PREFILL_MAX_EXPERTS + tid] += add[j]
+        barrier()
+        d *= 2
+    var abs_list = meta.unsafe_offset(meta_absorbed(n_experts, n_pairs))
+    if tid < n_experts:
+        var o = Int(scan[unsafe_offset=tid]) - Int(mine[0])
+        var t = Int(scan[unsafe_offset=PREFILL_MAX_EXPERTS + tid]) - Int(mine[1])
+        meta[unsafe_offset=tid] = Int32(o)
+        meta[unsafe_offset=n_experts + 1 + tid] = Int32(t)
+        cur[unsafe_offset=tid] = Int32(o)
+        if mine[2] != 0:
+            var before = Int(scan[unsafe_offset=2 * PREFILL_MAX_EXPERTS + tid]) - 1
+            abs_list[unsafe_offset=1 + before] = Int32(tid)
+        write_expert_tiles(meta.unsafe_offset(meta_tiles(n_experts, n_pairs)), tid, t, t + Int(mine[1]))
+    if tid == n_experts - 1:  # the totals
+        meta[unsafe_offset=n_experts] = scan[unsafe_offset=tid]
+        meta[unsafe_offset=2 * n_experts + 1] = scan[unsafe_offset=PREFILL_MAX_EXPERTS + tid]
+        abs_list[unsafe_offset=0] = scan[unsafe_offset=2 * PREFILL_MAX_EXPERTS + tid]
+    barrier()  # cur before the scatter
     var sorted = meta.unsafe_offset(meta_sorted(n_experts))
     if stable_ != 0:
         _scatter_stable(sorted, ids, n_pairs, n_experts, cur)
@@ -520,7 +538,7 @@ def gemm_kernel[
     down: Bool, BM: Int, BN: Int, WARPS_M: Int, WARPS_N: Int, STAGES: Int
 ](
     h_out: Pointer[BFloat16, MutAnyOrigin],
-    partial: Pointer[Float32, MutAnyOrigin],
+    partial: Pointer[BFloat16, MutAnyOrigin],
     a_src: Pointer[BFloat16, ImmutAnyOrigin],
     meta: Pointer[Int32, ImmutAnyOrigin],
     wts: Pointer[Float32, ImmutAnyOrigin],
@@ -661,7 +679,7 @@ def gemm_kernel[
                             w * (c0 + bias[unsafe_offset=e * n_rows + n]),
                             w * (c1 + bias[unsafe_offset=e * n_rows + n + 1]),
                         )
-                        partial.unsafe_store[alignment=8](p * n_rows + n, v)
+                        partial.unsafe_store[alignment=4](p * n_rows + n, v.cast[DType.bfloat16]())
                     else:
                         var inter = n_rows // 2
                         var v = gptoss_swiglu(
@@ -1150,7 +1168,7 @@ def _p2_tile[
 ](
     smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     h_out: Pointer[BFloat16, MutAnyOrigin],
-    partial: Pointer[Float32, MutAnyOrigin],
+    partial: Pointer[BFloat16, MutAnyOrigin],
     a_src: Pointer[BFloat16, ImmutAnyOrigin],
     sorted: Pointer[Int32, ImmutAnyOrigin],
     wts: Pointer[Float32, ImmutAnyOrigin],
@@ -1259,7 +1277,7 @@ def _p2_store[
     t0: Int,
     lim: Int,
     h_out: Pointer[BFloat16, MutAnyOrigin],
-    partial: Pointer[Float32, MutAnyOrigin],
+    partial: Pointer[BFloat16, MutAnyOrigin],
     sorted: Pointer[Int32, ImmutAnyOrigin],
     wts: Pointer[Float32, ImmutAnyOrigin],
     row0: Int,
@@ -1294,7 +1312,7 @@ def _p2_store[
                 comptime b = j % 2
                 if t0 + 8 * i + b < lim:
                     var y = SIMD[DType.float32, 2](acc[p2_acc_gate(i, b)] + b0, acc[p2_acc_up(i, b)] + b1)
-                    partial.unsafe_store[alignment=8](Int(ps[j]) * n_rows + n, ws[j] * y)
+                    partial.unsafe_store[alignment=4](Int(ps[j]) * n_rows + n, (ws[j] * y).cast[DType.bfloat16]())
     else:
         var inter = n_rows // 2
         var hp = h_out.unsafe_offset((row0 + t0 + 2 * q) * inter + (n >> 1))
@@ -1313,7 +1331,7 @@ def p2_gemm_kernel[
     down: Bool, BM: Int, NWG: Int, STAGES: Int, MIN_BLOCKS: Int
 ](
     h_out: Pointer[BFloat16, MutAnyOrigin],
-    partial: Pointer[Float32, MutAnyOrigin],
+    partial: Pointer[BFloat16, MutAnyOrigin],
     a_src: Pointer[BFloat16, ImmutAnyOrigin],
     meta: Pointer[Int32, ImmutAnyOrigin],
     wts: Pointer[Float32, ImmutAnyOrigin],
@@ -1375,7 +1393,7 @@ def p2_absorbed_kernel[
     down: Bool, BASE: Int, NWG: Int, STAGES: Int, MIN_BLOCKS: Int
 ](
     h_out: Pointer[BFloat16, MutAnyOrigin],
-    partial: Pointer[Float32, MutAnyOrigin],
+    partial: Pointer[BFloat16, MutAnyOrigin],
     a_src: Pointer[BFloat16, ImmutAnyOrigin],
     meta: Pointer[Int32, ImmutAnyOrigin],
     wts: Pointer[Float32, ImmutAnyOrigin],
@@ -1429,7 +1447,7 @@ def combine_kernel[
     out_dtype: DType
 ](
     output: Pointer[Scalar[out_dtype], MutAnyOrigin],
-    partial: Pointer[Float32, ImmutAnyOrigin],
+    partial: Pointer[BFloat16, ImmutAnyOrigin],
     ids: Pointer[Int32, ImmutAnyOrigin],
     tokens_: Int64,
     top_k_: Int64,
@@ -1451,7 +1469,7 @@ def combine_kernel[
     for k in range(top_k):
         var e = Int(ids[unsafe_offset=t * top_k + k])
         if e >= 0 and e < n_experts:
-            s += partial.unsafe_load[width=4, alignment=16]((t * top_k + k) * hidden + c)
+            s += partial.unsafe_load[width=4, alignment=8]((t * top_k + k) * hidden + c).cast[DType.float32]()
     output.unsafe_store[alignment=4](t * hidden + c, s.cast[out_dtype]())
 
 
@@ -1496,7 +1514,7 @@ def _gate_up_cfg[
         comptime SMEM = p2_smem_bytes(c)
         ctx.enqueue_function[kernel](
             h.unsafe_bitcast[BFloat16](),
-            h,
+            h.unsafe_bitcast[BFloat16](),  # partial: unused by gate_up
             x,
             rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
             bias,
@@ -1519,7 +1537,7 @@ def _gate_up_cfg[
             comptime ASMEM = p2_absorbed_smem_bytes(c)
             ctx.enqueue_function[absorbed](
                 h.unsafe_bitcast[BFloat16](),
-                h,
+                h.unsafe_bitcast[BFloat16](),  # partial: unused by gate_up
                 x,
                 rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
                 bias,
@@ -1541,7 +1559,7 @@ def _gate_up_cfg[
         comptime kernel = gemm_kernel[False, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
         ctx.enqueue_function[kernel](
             h.unsafe_bitcast[BFloat16](),
-            h,
+            h.unsafe_bitcast[BFloat16](),  # partial: unused by gate_up
             x,
             rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
             bias,
@@ -1583,12 +1601,16 @@ def _down_cfg[
     var n_pairs = tokens * top_k
     var meta = _meta_ptr(h, n_pairs, inter)
     var hb = rebind[Pointer[BFloat16, ImmutAnyOrigin]](h.unsafe_bitcast[BFloat16]())
+    # the weighted expert outputs go to the first half of the f32 scratch as bf16 (as the
+    # reference rounds each expert's output): half the bytes for the GEMM to store and the
+    # combine to read
+    var pb = partial.unsafe_bitcast[BFloat16]()
     comptime if cfg_wgmma(c):
         comptime kernel = p2_gemm_kernel[True, BM, BN // 64, cfg_stages(c), cfg_min_blocks(c)]
         comptime SMEM = p2_smem_bytes(c)
         ctx.enqueue_function[kernel](
             rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
-            partial,
+            pb,
             hb,
             rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
             wts,
@@ -1611,7 +1633,7 @@ def _down_cfg[
             comptime ASMEM = p2_absorbed_smem_bytes(c)
             ctx.enqueue_function[absorbed](
                 rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
-                partial,
+                pb,
                 hb,
                 rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
                 wts,
@@ -1633,7 +1655,7 @@ def _down_cfg[
         comptime kernel = gemm_kernel[True, BM, BN, cfg_warps_m(c), cfg_warps_n(c), cfg_stages(c)]
         ctx.enqueue_function[kernel](
             rebind[Pointer[BFloat16, MutAnyOrigin]](hb),
-            partial,
+            pb,
             hb,
             rebind[Pointer[Int32, ImmutAnyOrigin]](meta),
             wts,
@@ -1650,7 +1672,7 @@ def _down_cfg[
         )
     ctx.enqueue_function[combine_kernel[out_dtype]](
         output,
-        rebind[Pointer[Float32, ImmutAnyOrigin]](partial),
+        rebind[Pointer[BFloat16, ImmutAnyOrigin]](pb),
         ids,
         Int64(tokens),
         Int64(top_k),
