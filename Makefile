@@ -43,6 +43,9 @@ serve: $(SERVE_STAMP)
 # A MAX graph compile runs on one core, so the suite runs in TEST_WORKERS processes (pytest-xdist),
 # a test file to a process (its fixtures compile once); TEST_WORKERS=0 runs it in this one.
 test: $(STAMP)
+	@# MAX builds its Mojo extension modules (max._kv_cache_ops) on first import, writing the .so
+	@# in place: two workers importing it at once in a fresh venv can load a truncated file
+	$(BIN)/python -c "import gptoss_max.arch"
 	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 install: $(STAMP)
