@@ -105,8 +105,9 @@ def main() raises:
         for j in range(32):
             fline += " " + String(xf[j])
         print(fline)
-    # tiles: counts per expert -> offsets, tile starts and the tile table as the route kernel writes
-    # them (its thread 0's loop, then write_expert_tiles per expert); find_tile reads them back
+    # tiles: counts per expert -> offsets and tile starts as the route kernel's scan over the experts
+    # leaves them (computed here in turn), then the tile table by the route's own write_expert_tiles
+    # per expert; find_tile reads them back
     var counts = [0, 5, 64, 65, 0, 0, 200, 1, 128, 129, 160, 161, 300, 257]
     var n_experts = len(counts)
     var n_pairs = 0

@@ -27,7 +27,9 @@ struct MoeDownMxfp4:
       big          [E, H / 16] u8   as gptoss_moe_gate_up_mxfp4's, for these rows
       counters     [ceil(H / 8)] u32   from gptoss_moe_gate_up_mxfp4 (zeroed)
       partial      [T, K, H] f32        scratch output of the GPU path
-                                        (per-pair products before the sum)
+                                        (per-pair products before the sum; the
+                                        prefill path keeps them as bf16 in its
+                                        first half)
       path         CPU int32 scalar, as gptoss_moe_gate_up_mxfp4's (both ops
                    of a step must get the same)
 
