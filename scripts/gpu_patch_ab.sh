@@ -5,7 +5,11 @@
 # round after the first two quick). The tree is left as it was found.
 # Usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS (3)] [TESTS (-k expression, "" to skip)]
 # TOKENS (default 1) and CHECKS (default 1; 0 for an ablation whose values are wrong on purpose) in
-# the environment are bench/moe.py's --tokens and --checks.
+# the environment are bench/moe.py's --tokens and --checks. BENCH, if set, replaces bench/moe.py's
+# arguments (not --out) for a prefill A/B, e.g.
+#   BENCH="--prefill --models 120b,20b --tokens 4096 --sweep-tokens=4096,8192,16384 --cross-tokens= \
+#     --configs 10 --reps 5 --no-stock --deadline 150" BENCH_TIMEOUT=200 scripts/gpu_patch_ab.sh ...
+# Each run's figures are printed from its JSON: decode rows (us per layer), prefill sweep (TFLOP/s).
 set -u
 patch_file=${1:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
 out=${2:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
@@ -28,8 +32,20 @@ for r in $(seq 1 "$rounds"); do
   for side in patched main; do
     if [ "$side" = main ] && [ "$applied" = 1 ]; then patch -s --no-backup-if-mismatch -R -p1 < "$patch_file"; applied=0; fi
     if [ "$side" = patched ] && [ "$applied" = 0 ]; then patch -s --no-backup-if-mismatch -p1 < "$patch_file"; applied=1; fi
-    timeout 150 python3 bench/moe.py --models 120b,20b --tokens "${TOKENS:-1}" --no-stock --checks "${CHECKS:-1}" --reps 12 \
-      --out "$out/${side}_$r" 2>&1 | grep -E "^ *(120b|20b) |rror|FAIL"
+    # shellcheck disable=SC2086  # BENCH is a list of arguments
+    timeout "${BENCH_TIMEOUT:-150}" python3 bench/moe.py ${BENCH:---models 120b,20b --tokens ${TOKENS:-1} --no-stock \
+      --checks ${CHECKS:-1} --reps 12} --out "$out/${side}_$r" 2>&1 | grep -E "rror|FAIL"
+    python3 - "$out/${side}_$r" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/moe_*.json")):
+    d = json.load(open(f))
+    for r in d.get("sweep") or []:
+        print(f"  {r['model']:>4} T={r['tokens']:<6} c{r['config']:<3} {r['tflops']} TFLOP/s")
+    if not d.get("sweep"):
+        for r in d.get("rows", []):
+            print(f"  {r['model']:>4} T={r['tokens']:<6} {r.get('ours_us')} us")
+    print(f"  correctness: {[(c.get('path'), c.get('tokens'), c.get('rel_err')) for c in d.get('correctness', [])]}")
+PY
     echo "$side round $r: $(( $(date +%s) - t0 )) s"
   done
 done
