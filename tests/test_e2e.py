@@ -75,6 +75,21 @@ def test_wait_spread_gives_each_steps_wait_for_the_gpu():
     assert e2e.wait_spread([0.0] * 8, overlapped=False) == {"sync_wait_quarters_ms": [], "sync_wait_ms": []}
 
 
+def test_host_bound_spread_tells_the_hosts_steps_from_the_gpus():
+    # 12 steps at 1.63 ms that waited 0.3 ms for the GPU, then 4 at 1.95 ms that did not wait
+    # (the sync's own 0.006 ms): a host stretch (bench/NOTES.md, "Twenty-fifth session")
+    steps = [1.63] * 12 + [1.95] * 4
+    waits = [0.3] * 12 + [0.006] * 4
+    s = e2e.host_bound_spread(steps, waits)
+    assert s == {"host_bound_share": 0.25, "gpu_step_p50_ms": 1.63}
+    # a run the stretch covers: every step the host's, no GPU step to report
+    assert e2e.host_bound_spread([1.95] * 16, [0.006] * 16) == {"host_bound_share": 1.0, "gpu_step_p50_ms": None}
+    # fewer than 8 waiting steps are too few for a median
+    assert e2e.host_bound_spread([1.6] * 7 + [2.0], [0.3] * 7 + [0.0])["gpu_step_p50_ms"] is None
+    # no device graphs: no waits were measured
+    assert e2e.host_bound_spread([1.6] * 8, []) == {"host_bound_share": None, "gpu_step_p50_ms": None}
+
+
 def test_host_state_reads_this_machine():
     state = e2e.host_state()
     assert state["cpus_allowed"] >= 1
@@ -183,13 +198,14 @@ def test_device_names_and_rows_merge():
            {"model": "m", "batch": 8, "graph_capture": False, "ours_tok_s": 2.0}]  # fmt: skip
     new = [{"model": "m", "batch": 1, "graph_capture": False, "ours_tok_s": 3.0},
            {"model": "m", "batch": 1, "graph_capture": True, "ours_tok_s": 4.0, "tpot_ms": 2.3,
-            "tpot_p50_ms": 1.984, "slow_steps": 7}]  # fmt: skip
+            "tpot_p50_ms": 1.984, "slow_steps": 7, "host_bound_share": 0.25, "gpu_step_p50_ms": 1.63}]  # fmt: skip
     merged = e2e.merge_rows(old, new)
     assert [(r["batch"], r["graph_capture"], r["ours_tok_s"]) for r in merged] == [(1, False, 3.0), (8, False, 2.0),
                                                                                   (1, True, 4.0)]  # fmt: skip
     table = e2e.markdown_table({"device": "NVIDIA H100", "date": "2026-11-21", "rows": merged})
     assert "NVIDIA H100, 2026-11-21" in table and table.count("\n| m |") == 3
-    assert "| 2.3 | 1.984 | 7 |" in table  # the mean TPOT, its median, the slow steps
+    assert "| 2.3 | 1.984 | 7 | 25 % | 1.63 |" in table  # mean TPOT, median, slow steps, host-bound, GPU step
+    assert "| m | 8 | no | 2.0 | n/a |" + " — |" * 8 in table  # a row without waits: no host-bound share
 
 
 def test_the_plan_takes_the_memory_the_device_reported():

@@ -321,6 +321,8 @@ def run_batch(
             release(row)
     rows = len(contexts)
     decode_start = max(first.values())  # every row has its first token: decode steps follow
+    spread = step_spread(decode_start, decode_ends)
+    waited = wait_spread([w for t, w in zip(decode_ends, decode_waits, strict=True) if t > decode_start], bool(waits))
     decode_s = t_end - decode_start
     return {
         "batch": rows,
@@ -332,9 +334,10 @@ def run_batch(
         "decode_tok_s": (sum(count) - rows) / decode_s if decode_s > 0 else None,
         "e2e_output_tok_s": sum(count) / (t_end - t0),
         "seconds": t_end - t0,
-        **step_spread(decode_start, decode_ends),
+        **spread,
         **cpu_spread([c for t, c in zip(decode_ends, decode_cpu, strict=True) if t > decode_start]),
-        **wait_spread([w for t, w in zip(decode_ends, decode_waits, strict=True) if t > decode_start], bool(waits)),
+        **waited,
+        **host_bound_spread(spread["step_ms"], waited["sync_wait_ms"]),
         "gc_collections": collections,
     }
 
@@ -361,6 +364,28 @@ def wait_spread(waits: list[float], overlapped: bool) -> dict[str, Any]:
         return {"sync_wait_quarters_ms": [], "sync_wait_ms": []}
     arr = 1e3 * np.array(waits)
     return {"sync_wait_quarters_ms": quarter_medians(arr), "sync_wait_ms": [round(float(x), 4) for x in arr]}
+
+
+# A decode step whose host waited less than this for the GPU did not wait at all: the sync's own
+# cost is ~0.006 ms on the H200, and a GPU-bound 20b batch-1 step waits 0.08-0.4 ms there.
+HOST_BOUND_WAIT_MS = 0.02
+
+
+def host_bound_spread(step_ms: list[float], sync_wait_ms: list[float]) -> dict[str, Any]:
+    """Who set the decode steps' time: the share of steps whose host never waited for the GPU
+    (`host_bound_share`; such a step is the host's own work, MAX's overlap pipeline and ours) and
+    the median of the other steps (`gpu_step_p50_ms`, the GPU's step, None with fewer than 8 of
+    them). On the H200 the host's work per step grows ~1.5x in stretches of a few to over a
+    thousand steps (bench/NOTES.md, "Fourteenth session"); a run that a stretch covers reads as
+    slower code. Both None without waits (no device graphs)."""
+    if not sync_wait_ms or len(sync_wait_ms) != len(step_ms):
+        return {"host_bound_share": None, "gpu_step_p50_ms": None}
+    waits = np.array(sync_wait_ms)
+    gpu = np.array(step_ms)[waits >= HOST_BOUND_WAIT_MS]
+    return {
+        "host_bound_share": round(float((waits < HOST_BOUND_WAIT_MS).mean()), 4),
+        "gpu_step_p50_ms": round(float(np.median(gpu)), 4) if len(gpu) >= 8 else None,
+    }
 
 
 def quarter_medians(values: np.ndarray) -> list[float]:
@@ -775,6 +800,8 @@ def _rows(
                 "sync_wait_quarters_ms": [_round(q, 3) for q in r.get("sync_wait_quarters_ms", [])],
                 "tpot_max_ms": _round(r.get("tpot_max_ms"), 3),
                 "slow_steps": r.get("slow_steps"),
+                "host_bound_share": r.get("host_bound_share"),
+                "gpu_step_p50_ms": _round(r.get("gpu_step_p50_ms"), 3),
                 "peak_gpu_memory_bytes": r.get("peak_memory_bytes"),
                 "e2e_output_tok_s": _round(r.get("e2e_output_tok_s")),
                 "ttft_ms_last_row": _round(r.get("ttft_ms_max")),
@@ -808,7 +835,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     head = (
         f"{result.get('device', '?')}, {result.get('date', '?')} (prompt {result.get('prompt_len')}, "
         f"output {result.get('output_len')} tokens, EOS ignored; tok/s = decode output tokens/s; TPOT = mean "
-        "decode step, its median beside it; slow steps: over twice the median, host stalls when the two differ)\n\n"
+        "decode step, its median beside it; slow steps: over twice the median, host stalls when the two differ; "
+        "host-bound: the share of decode steps whose host never waited for the GPU, where the host's own work "
+        "set the step, and GPU step: the median of the others)\n\n"
     )
     cols = [
         "model",
@@ -821,6 +850,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         "TPOT ms",
         "TPOT median ms",
         "slow steps",
+        "host-bound",
+        "GPU step ms",
         "peak GPU GB",
     ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -838,6 +869,8 @@ def markdown_table(result: dict[str, Any]) -> str:
             r.get("tpot_ms"),
             r.get("tpot_p50_ms"),
             r.get("slow_steps"),
+            None if r.get("host_bound_share") is None else f"{100 * r['host_bound_share']:.0f} %",
+            r.get("gpu_step_p50_ms"),
             f"{peak / 1e9:.1f}" if peak else "—",
         ]
         lines.append("| " + " | ".join("—" if c is None else str(c) for c in cells) + " |")
