@@ -22,9 +22,15 @@ from gptoss_max import mxfp4
 
 NWG, K = 2, 192
 THREADS, BN, NKB = 128 * NWG, 64 * NWG, K // 64
-# (BM, NT, NT2, ROWS_VALID): a partly filled 128-token tile (wgmma N = 64), and c9's
-# 160-token tile run as two wgmma parts of N = 128 and 32 over the same A fragment.
-CASES = {"n64": (128, 64, 0, 61), "n128+32": (160, 128, 32, 150)}
+# (BM, NT, NT2, ROWS_VALID): a partly filled 128-token tile (wgmma N = 64), c9's 160-token
+# tile run as two wgmma parts of N = 128 and 32 over the same A fragment, and the same layout
+# with a narrow second part of N = 8 or 16 for a tile of 133 or 142 rows (bench/patches/v44).
+CASES = {
+    "n64": (128, 64, 0, 61),
+    "n128+32": (160, 128, 32, 150),
+    "n128+8": (160, 128, 8, 133),
+    "n128+16": (160, 128, 16, 142),
+}
 
 PROGRAM = """
 from gptoss_kernels.moe_prefill_gpu import (
@@ -270,8 +276,8 @@ def test_variant_for_the_tile(probe):
     bm, nt, nt2, rows_valid = probe["case"]
     if nt2 == 0:
         assert probe["variant"] == [[1]]  # 61 rows of a 128-row tile run wgmma N = 64
-    else:  # the kernel picks the split from the tile's power-of-two base, 128
-        assert rows_valid > 128 and bm == nt + nt2
+    else:  # two parts over the tile's power-of-two base, 128: the second covers the rows past it
+        assert nt == 128 and 0 < rows_valid - nt <= nt2 <= bm - nt
 
 
 def test_every_quad_owns_a_gate_up_row_pair_once(probe):
