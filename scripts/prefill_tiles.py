@@ -38,14 +38,17 @@ def tiles(counts: np.ndarray, bm: int) -> int:
     return int(((counts + bm - 1) // bm).sum())
 
 
+def routed_counts(tokens: int, experts: int, rng: np.random.Generator) -> np.ndarray:
+    """Pairs per expert of one routing: each token to TOP_K distinct uniform experts (bench/moe.py's rule)."""
+    ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :TOP_K]
+    return np.bincount(ids.ravel(), minlength=experts)
+
+
 def tiles_per_bm_pairs(tokens: int, experts: int, bm: int, draws: int, seed: int = 0) -> float:
     """Mean tiles per BM routed pairs over `draws` routings of `tokens` tokens (bench/moe.py's rule)."""
     rng = np.random.default_rng(seed)
     pairs = tokens * TOP_K
-    got = []
-    for _ in range(draws):
-        ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :TOP_K]
-        got.append(tiles(np.bincount(ids.ravel(), minlength=experts), bm))
+    got = [tiles(routed_counts(tokens, experts, rng), bm) for _ in range(draws)]
     return float(np.mean(got)) / (pairs / bm)
 
 
@@ -108,19 +111,16 @@ def padding(tokens: int, experts: int, config: int | None, draws: int, narrow: b
     computed = {"full": 0, "partial": 0, "two_part": 0}
     useful = {"full": 0, "partial": 0, "two_part": 0}
     for _ in range(draws):
-        ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :TOP_K]
-        for n in np.bincount(ids.ravel(), minlength=experts):
+        for n in routed_counts(tokens, experts, rng):
             rows = mma_rows(int(n), c, narrow)
-            kinds = [k for k in rows if rows[k]]
-            for k in kinds:
-                computed[k] += rows[k]
-            # the routed rows are the expert's count, split over its kinds as the tiles hold them
+            # the routed rows are the expert's count, split over its kinds as the tiles hold them:
+            # full tiles first, then the two-part tile, the partial tile the rest
             left = int(n)
             for k in ("full", "two_part", "partial"):
-                if rows[k]:
-                    got = min(left, rows[k]) if k != "partial" else left
-                    useful[k] += got
-                    left -= got
+                computed[k] += rows[k]
+                got = left if k == "partial" and rows[k] else min(left, rows[k])
+                useful[k] += got
+                left -= got
     total = sum(useful.values())
     out = {k: (computed[k] - useful[k]) / total for k in computed}
     out["all"] = sum(out.values())

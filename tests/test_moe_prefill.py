@@ -219,6 +219,30 @@ def test_absorbed_tiles_cover_every_pair_once(lines) -> None:
         assert has_abs == (plain >= 2 and last <= absorb), (c, reg, has_abs)
 
 
+def test_prefill_tiles_script_follows_the_kernels(lines) -> None:
+    """scripts/prefill_tiles.py mirrors auto_config and expert_tiles in Python (its padding
+    counts rest on them): the kernel package's own choices and c10 tilings, printed above, must
+    come out of the mirrors unchanged, so a retune of either side fails here."""
+    from script_loader import load_script
+
+    pt = load_script("scripts/prefill_tiles.py", "prefill_tiles")
+    auto = [(t, e, c) for t, e, path, c in (map(int, r) for r in _rows(lines, "choice")) if path == 0 and c >= 0]
+    # the band edges of "choice_auto" (its first value is a K = 96 shape, p1: not mirrored)
+    edges = [(8192, 128), (512, 128), (16384, 128), (3584, 128), (3840, 128), (4608, 128), (5120, 128),
+             (5152, 128), (1024, 32), (7648, 128), (7680, 128)]  # fmt: skip
+    auto += [(t, e, int(c)) for (t, e), c in zip(edges, _rows(lines, "choice_auto")[0][1:], strict=True)]
+    assert len({c for _, _, c in auto}) >= 4  # c5, c7, c9 and c10 among them
+    for t, e, c in auto:
+        assert pt.auto_config(t * 4 // e, e) == c, (t, e, c)
+    for c, reg, has_abs, plain, _ in (map(int, r) for r in _rows(lines, "etiles")):
+        rows = pt.mma_rows(c, 10)
+        assert (rows["two_part"] > 0) == bool(has_abs), c
+        # wgmma tiles: the regular ones (full, or one partial) and the absorbed one
+        tiles = rows["full"] // 128 + (rows["partial"] > 0) + (rows["two_part"] > 0)
+        assert tiles == reg + has_abs, (c, rows, reg, has_abs)
+        assert pt.mma_rows(c, 5)["full"] // 128 + (pt.mma_rows(c, 5)["partial"] > 0) == plain, c
+
+
 def test_bench_sweeps_every_config(lines) -> None:
     """bench/moe_prefill.py's N_CONFIGS (its default sweep and correctness
     check) is the kernel package's."""
