@@ -158,6 +158,32 @@ def test_input_items_list_the_whole_conversation_a_page_at_a_time(make):
     for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
         r = httpx.get(f"{base}/v1/responses/{third.id}/input_items", params=params)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_deleting_a_turn_leaves_the_turns_after_it_whole(make):
+    """The store keeps each turn as what it adds to the one before; a deleted turn is gone for the
+    API while the turns continuing it still read (and continue) the whole conversation."""
+    engine, client, base = make([TOOL_CALL, AFTER_TOOL, FINAL, FINAL])
+    first = client.responses.create(model=engine.model_name, input="Weather?", tools=[WEATHER_TOOL])
+    output = {"type": "function_call_output", "call_id": first.output[-1].call_id, "output": '{"temp":20}'}
+    second = client.responses.create(model=engine.model_name, previous_response_id=first.id,
+                                     tools=[WEATHER_TOOL], input=[output])  # fmt: skip
+    third = client.responses.create(model=engine.model_name, previous_response_id=second.id, input="Thanks!")
+    follow = {"model": engine.model_name, "previous_response_id": third.id, "input": "More?"}
+    tokens = client.responses.input_tokens.count(**follow).input_tokens
+    listed = [i.id for i in client.responses.input_items.list(third.id, order="asc", limit=100).data]
+
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(second.id)
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+    assert [i.id for i in client.responses.input_items.list(third.id, order="asc", limit=100).data] == listed
+    assert client.responses.input_tokens.count(**follow).input_tokens == tokens
+    fourth = client.responses.create(**follow)
+    assert fourth.status == "completed" and len(engine.prompts[3]) == tokens
+    assert "Weather?" in decode(engine.prompts[3]) and '{"temp":20}' in decode(engine.prompts[3])
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_nope")
 

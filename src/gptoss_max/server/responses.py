@@ -20,7 +20,7 @@ from gptoss_max.server.errors import bad_request, not_found, read_json_object
 from gptoss_max.server.generation import Generation, reply
 from gptoss_max.server.schemas import InputTokensRequest, NamedFunction, ResponsesRequest, parse_request
 from gptoss_max.server.state import ServerState
-from gptoss_max.server.store import StoredResponse
+from gptoss_max.server.store import Parent, StoredResponse
 
 logger = logging.getLogger("gptoss_max.server")
 
@@ -35,6 +35,7 @@ class Turn:
     prompt: Prompt
     params: GenParams
     input_items: list[dict]  # what `GET /v1/responses/{id}/input_items` lists, oldest first
+    parent: Parent | None = None  # the stored response continued, and its share of the two lists
 
 
 def _input_items(req: ResponsesRequest) -> list[dict]:
@@ -79,12 +80,13 @@ def _spec(req: ResponsesRequest) -> TurnSpec:
 
 def _prompt(
     state: ServerState, req: ResponsesRequest, stored: StoredResponse | None
-) -> tuple[TurnSpec, list[Message], dict[str, str], Prompt]:
+) -> tuple[TurnSpec, list[Message], dict[str, str], int, Prompt]:
     """The turn's settings, the conversation (stored plus this request's input), its function
-    calls, and the prompt it renders to, with `truncation: "auto"` dropping the oldest turns
-    until the input leaves room for one token."""
+    calls, how many of its messages were stored, and the prompt it renders to, with `truncation:
+    "auto"` dropping the oldest turns until the input leaves room for one token."""
     calls = dict(stored.calls) if stored else {}
     history = hm.from_json(stored.history) if stored else []
+    n_stored = len(history)
     try:
         history += hm.from_response_items(_input_items(req), calls)
     except hm.HistoryError as exc:
@@ -94,17 +96,20 @@ def _prompt(
         prompt, _dropped = render_prompt_within(spec, history, state.engine.max_context - 1)
     else:
         prompt = render_prompt(spec, history)
-    return spec, history, calls, prompt
+    return spec, history, calls, n_stored, prompt
 
 
 def plan_turn(state: ServerState, req: ResponsesRequest, stored: StoredResponse | None) -> Turn:
-    spec, history, calls, prompt = _prompt(state, req, stored)
+    spec, history, calls, n_stored, prompt = _prompt(state, req, stored)
     earlier = stored.input_items + stored.response.get("output", []) if stored else []
     input_items = earlier + [listed_item(item) for item in _input_items(req)]
     budget = state.token_budget(len(prompt.ids), req.max_output_tokens, "input")
     constraint = grammar.for_turn(spec, state.constrained_reasoning_tokens)
     params = GenParams(budget, temperature=req.temperature, top_p=req.top_p, grammar=constraint)
-    return Turn(spec, history, calls, prompt, params, input_items)
+    parent = None
+    if stored is not None and req.previous_response_id:
+        parent = Parent(req.previous_response_id, n_stored, len(stored.input_items))
+    return Turn(spec, history, calls, prompt, params, input_items, parent)
 
 
 async def _previous(state: ServerState, req: ResponsesRequest) -> StoredResponse | None:
@@ -203,7 +208,9 @@ class ResponseRun:
             history = hm.to_json(self.turn.history + gen.harmony.messages)
             calls = self.turn.calls | self.events.function_calls()
             try:
-                await asyncio.to_thread(self.state.store.put, resp, history, calls, self.turn.input_items)
+                await asyncio.to_thread(
+                    self.state.store.put, resp, history, calls, self.turn.input_items, self.turn.parent
+                )
             except Exception:  # the answer still goes out; only its continuation is lost
                 logger.exception("could not store response %s", resp["id"])
 

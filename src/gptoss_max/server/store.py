@@ -6,6 +6,13 @@
 Responses items the response was generated from (earlier turns' inputs and outputs included,
 each with an id), for `GET /v1/responses/{id}/input_items`.
 
+A response that continues another (`previous_response_id`) is stored as what it adds: its row
+names the parent and holds only the messages and items past the parent's, so a conversation of n
+turns takes O(n) rows' worth of text, not O(n^2) (schema version 3). `get` joins the chain back.
+Deleting a response that others continue hides it (its response object is dropped, the part of
+the conversation its children need is kept) until its last child goes; rows written before
+version 3 hold their whole conversation and have no parent.
+
 Two backends behind one interface: SQLite (the default, one server) and PostgreSQL
 (`store_pg.py`, shared by replicas behind a load balancer). Both keep the same versioned
 schema: `MIGRATIONS[i]` takes a store from version i to i + 1; a store opened by this code
@@ -15,15 +22,20 @@ than guessed at.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptoss_max import settings
+
+logger = logging.getLogger("gptoss_max.server")
 
 # SQLite's migrations. Version 1 is the table the first SQLite store created (without a version
 # mark); a store without a mark but with this table is taken as version 1. PostgreSQL's own
@@ -39,6 +51,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
     ),
     ("ALTER TABLE responses ADD COLUMN input_items TEXT NOT NULL DEFAULT '[]'",),  # 2: the input items
+    (  # 3: rows that continue a parent hold what they add to it; hidden: deleted, kept for children
+        "ALTER TABLE responses ADD COLUMN parent_id TEXT",
+        "ALTER TABLE responses ADD COLUMN hidden INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent_id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -62,21 +79,40 @@ class StoredResponse:
     input_items: list[dict] = field(default_factory=list)  # [] for rows stored before version 2
 
 
+@dataclass(frozen=True)
+class Parent:
+    """The stored response a new one continues, and how many messages of the new one's history and
+    items of its input items are the parent's (a prefix of each): the store keeps only the rest."""
+
+    id: str
+    messages: int
+    items: int
+
+
 class ResponseStore(ABC):
     """What the routes need from a store. Methods block; routes call them in a thread."""
 
     location: str  # where it is, for logs (never a password)
 
     @abstractmethod
-    def put(self, response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> None:
-        """Store (or replace) `response` under its id."""
+    def put(
+        self,
+        response: dict,
+        history: str,
+        calls: dict[str, str],
+        input_items: list[dict],
+        parent: Parent | None = None,
+    ) -> None:
+        """Store (or replace) `response` under its id, with its whole history and input items; with
+        a parent that is still stored, only the part past the parent's is written."""
 
     @abstractmethod
-    def get(self, response_id: str) -> StoredResponse | None: ...
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The response with its whole history and input items (its chain of rows joined)."""
 
     @abstractmethod
     def delete(self, response_id: str) -> bool:
-        """True if it existed."""
+        """True if it existed (and was not already deleted)."""
 
     @abstractmethod
     def schema_version(self) -> int: ...
@@ -85,19 +121,59 @@ class ResponseStore(ABC):
         pass
 
 
-# The columns `as_row` fills, in order, and those `from_row` reads.
-ROW_COLUMNS = "id, created_at, response, history, calls, input_items"
-READ_COLUMNS = "response, history, calls, input_items"
+# The columns `as_row` fills, in order.
+ROW_COLUMNS = "id, created_at, response, history, calls, input_items, parent_id, hidden"
 
 
-def as_row(response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> tuple:
-    return (response["id"], time.time(), json.dumps(response), history, json.dumps(calls), json.dumps(input_items))
+def as_row(
+    response: dict, history: str, calls: dict[str, str], input_items: list[dict], parent: Parent | None
+) -> tuple:
+    """A row of the whole conversation (parent None), or of what it adds to a stored parent's."""
+    parent_id = None
+    if parent is not None:
+        messages = json.loads(history)["messages"]  # harmony's Conversation JSON
+        # not harmony's {"messages": ...}: a replica of version 2 reading it fails, not continues
+        # the conversation without its earlier turns (docs/DEPLOY.md, schema versions)
+        history = json.dumps({"added": messages[parent.messages :]})
+        input_items, parent_id = input_items[parent.items :], parent.id
+    return (
+        response["id"], time.time(), json.dumps(response), history, json.dumps(calls), json.dumps(input_items),
+        parent_id, 0,
+    )  # fmt: skip
 
 
-def from_row(row: tuple | None) -> StoredResponse | None:
-    if row is None:
+def chain_sql(table: str, param: str) -> str:
+    """The rows from a response up to its root, nearest first: (response, history, calls,
+    input_items, parent_id, hidden). Both backends' SQL has WITH RECURSIVE."""
+    cols = "response, history, calls, input_items, parent_id, hidden"
+    return (
+        f"WITH RECURSIVE chain (depth, {cols}) AS ("
+        f"SELECT 0, {cols} FROM {table} WHERE id = {param} "
+        f"UNION ALL SELECT c.depth + 1, {', '.join('r.' + c for c in cols.split(', '))} "
+        f"FROM {table} r JOIN chain c ON r.id = c.parent_id"
+        f") SELECT {cols} FROM chain ORDER BY depth"
+    )
+
+
+def from_chain(rows: list[tuple], where: str = "") -> StoredResponse | None:
+    """Join a chain (nearest first, as `chain_sql` returns it) into one response; None if the
+    response is not stored or deleted. A chain whose root is missing cannot be joined: None too
+    (the store never leaves one, since a parent is kept while it has children)."""
+    if not rows or rows[0][5]:
         return None
-    return StoredResponse(json.loads(row[0]), row[1], json.loads(row[2]), json.loads(row[3]))
+    if rows[-1][4] is not None:
+        logger.error("stored response chain of %s%s is broken at %s", where, rows[0], rows[-1][4])
+        return None
+    response, history, calls = json.loads(rows[0][0]), rows[0][1], json.loads(rows[0][2])
+    items: list[dict] = []
+    for row in reversed(rows):
+        items += json.loads(row[3])
+    if len(rows) > 1:
+        messages: list = []
+        for row in reversed(rows):
+            messages += json.loads(row[1])["messages" if row[4] is None else "added"]
+        history = json.dumps({"messages": messages})
+    return StoredResponse(response, history, calls, items)
 
 
 def default_path() -> Path:
@@ -143,24 +219,70 @@ class SQLiteStore(ResponseStore):
         with self._lock:
             return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
-    def put(self, response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> None:
-        row = as_row(response, history, calls, input_items)
-        with self._lock:
-            self._db.execute(f"INSERT OR REPLACE INTO responses ({ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", row)
+    def put(
+        self,
+        response: dict,
+        history: str,
+        calls: dict[str, str],
+        input_items: list[dict],
+        parent: Parent | None = None,
+    ) -> None:
+        with self._lock, self._transaction():
+            if parent is not None and not self._db.execute(
+                "SELECT 1 FROM responses WHERE id = ?", (parent.id,)
+            ).fetchone():
+                parent = None  # deleted since it was read: this row holds the whole conversation
+            row = as_row(response, history, calls, input_items, parent)
+            self._db.execute(f"INSERT OR REPLACE INTO responses ({ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            row = self._db.execute(f"SELECT {READ_COLUMNS} FROM responses WHERE id = ?", (response_id,)).fetchone()
-        return from_row(row)
+            rows = self._db.execute(chain_sql("responses", "?"), (response_id,)).fetchall()
+        return from_chain(rows, self.location + ": ")
 
     def delete(self, response_id: str) -> bool:
-        with self._lock:
-            cur = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
-        return cur.rowcount > 0
+        with self._lock, self._transaction():
+            return delete_in(self._query, "responses", response_id)
+
+    def _query(self, sql: str, args: tuple) -> list:
+        return self._db.execute(sql.replace("%s", "?"), args).fetchall()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def delete_in(query: Callable[[str, tuple], list], table: str, response_id: str, lock: str = "") -> bool:
+    """`delete` inside a backend's transaction (`query` runs one statement with `%s` parameters and
+    returns its rows; `lock` ends the row reads, PostgreSQL's " FOR UPDATE"): a response that others
+    continue is hidden, its response object dropped; one that none continues is removed, and so is
+    each hidden ancestor that it leaves without children."""
+    rows = query(f"SELECT parent_id, hidden FROM {table} WHERE id = %s{lock}", (response_id,))
+    if not rows or rows[0][1]:
+        return False
+    target, parent = response_id, rows[0][0]
+    while True:
+        if query(f"SELECT 1 FROM {table} WHERE parent_id = %s LIMIT 1", (target,)):
+            if target == response_id:
+                query(f"UPDATE {table} SET hidden = 1, response = '{{}}', calls = '{{}}' WHERE id = %s", (target,))
+            return True
+        query(f"DELETE FROM {table} WHERE id = %s", (target,))
+        if parent is None:
+            return True
+        up = query(f"SELECT parent_id, hidden FROM {table} WHERE id = %s{lock}", (parent,))
+        if not up or not up[0][1]:
+            return True
+        target, parent = parent, up[0][0]
 
 
 def is_postgres(spec: str) -> bool:

@@ -18,14 +18,16 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from gptoss_max.server.store import (
-    READ_COLUMNS,
     ROW_COLUMNS,
     SCHEMA_VERSION,
+    Parent,
     ResponseStore,
     SchemaTooNew,
     StoredResponse,
     as_row,
-    from_row,
+    chain_sql,
+    delete_in,
+    from_chain,
 )
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -39,6 +41,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
     ),
     ("ALTER TABLE gptoss_responses ADD COLUMN IF NOT EXISTS input_items TEXT NOT NULL DEFAULT '[]'",),
+    (
+        "ALTER TABLE gptoss_responses ADD COLUMN IF NOT EXISTS parent_id TEXT",
+        "ALTER TABLE gptoss_responses ADD COLUMN IF NOT EXISTS hidden INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX IF NOT EXISTS gptoss_responses_parent ON gptoss_responses (parent_id)",
+    ),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION, "both backends share version numbers"
 
@@ -116,24 +123,45 @@ class PostgresStore(ResponseStore):
         row = self._run(lambda c: c.execute("SELECT version FROM gptoss_schema").fetchone())
         return int(row[0]) if row else 0
 
-    def put(self, response: dict, history: str, calls: dict[str, str], input_items: list[dict]) -> None:
+    def put(
+        self,
+        response: dict,
+        history: str,
+        calls: dict[str, str],
+        input_items: list[dict],
+        parent: Parent | None = None,
+    ) -> None:
         sql = (
             f"INSERT INTO gptoss_responses ({ROW_COLUMNS}) "
-            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
             "created_at = EXCLUDED.created_at, response = EXCLUDED.response, "
-            "history = EXCLUDED.history, calls = EXCLUDED.calls, input_items = EXCLUDED.input_items"
+            "history = EXCLUDED.history, calls = EXCLUDED.calls, input_items = EXCLUDED.input_items, "
+            "parent_id = EXCLUDED.parent_id, hidden = EXCLUDED.hidden"
         )
-        row = as_row(response, history, calls, input_items)
-        self._run(lambda c: c.execute(sql, row))
+
+        def put(conn: psycopg.Connection) -> None:
+            with conn.transaction():
+                held = parent
+                # the parent's row is share-locked until the child is in, so a delete of it sees the child
+                if held is not None and not conn.execute(
+                    "SELECT 1 FROM gptoss_responses WHERE id = %s FOR SHARE", (held.id,)
+                ).fetchone():
+                    held = None  # deleted since it was read: this row holds the whole conversation
+                conn.execute(sql, as_row(response, history, calls, input_items, held))
+
+        self._run(put)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        sql = f"SELECT {READ_COLUMNS} FROM gptoss_responses WHERE id = %s"
-        row: Any = self._run(lambda c: c.execute(sql, (response_id,)).fetchone())
-        return from_row(row)
+        sql = chain_sql("gptoss_responses", "%s")
+        rows: Any = self._run(lambda c: c.execute(sql, (response_id,)).fetchall())
+        return from_chain(rows, self.location + ": ")
 
     def delete(self, response_id: str) -> bool:
-        cur = self._run(lambda c: c.execute("DELETE FROM gptoss_responses WHERE id = %s", (response_id,)))
-        return cur.rowcount > 0
+        def delete(conn: psycopg.Connection) -> bool:
+            with conn.transaction():
+                return delete_in(lambda q, a: _rows(conn.execute(q, a)), "gptoss_responses", response_id, " FOR UPDATE")
+
+        return self._run(delete)
 
     def close(self) -> None:
         self._closed = True
@@ -142,3 +170,8 @@ class PostgresStore(ResponseStore):
                 self._idle.get_nowait().close()
             except queue.Empty:
                 return
+
+
+def _rows(cur: psycopg.Cursor) -> list:
+    """A statement's rows; [] for one that returns none (UPDATE, DELETE)."""
+    return cur.fetchall() if cur.description is not None else []
