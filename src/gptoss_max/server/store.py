@@ -94,7 +94,6 @@ class ResponseStore(ABC):
 
     location: str  # where it is, for logs (never a password)
 
-    @abstractmethod
     def put(
         self,
         response: dict,
@@ -104,7 +103,15 @@ class ResponseStore(ABC):
         parent: Parent | None = None,
     ) -> None:
         """Store (or replace) `response` under its id, with its whole history and input items; with
-        a parent that is still stored, only the part past the parent's is written."""
+        a parent that is still stored, only the part past the parent's is written (one deleted
+        since it was read leaves this row whole)."""
+        self._write(lambda kept: as_row(response, history, calls, input_items, parent if kept else None),
+                    parent.id if parent else None)  # fmt: skip
+
+    @abstractmethod
+    def _write(self, row: Callable[[bool], tuple], parent_id: str | None) -> None:
+        """In one transaction: whether `parent_id` (None: no parent) is stored, holding its row
+        against a delete, then upsert `row(that)`, an `as_row` tuple."""
 
     @abstractmethod
     def get(self, response_id: str) -> StoredResponse | None:
@@ -219,21 +226,11 @@ class SQLiteStore(ResponseStore):
         with self._lock:
             return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
-    def put(
-        self,
-        response: dict,
-        history: str,
-        calls: dict[str, str],
-        input_items: list[dict],
-        parent: Parent | None = None,
-    ) -> None:
+    def _write(self, row: Callable[[bool], tuple], parent_id: str | None) -> None:
         with self._lock, self._transaction():
-            if parent is not None and not self._db.execute(
-                "SELECT 1 FROM responses WHERE id = ?", (parent.id,)
-            ).fetchone():
-                parent = None  # deleted since it was read: this row holds the whole conversation
-            row = as_row(response, history, calls, input_items, parent)
-            self._db.execute(f"INSERT OR REPLACE INTO responses ({ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+            kept = parent_id is not None and bool(self._query("SELECT 1 FROM responses WHERE id = %s", (parent_id,)))
+            sql = f"INSERT OR REPLACE INTO responses ({ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            self._db.execute(sql, row(kept))
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:

@@ -20,11 +20,9 @@ from psycopg.conninfo import conninfo_to_dict
 from gptoss_max.server.store import (
     ROW_COLUMNS,
     SCHEMA_VERSION,
-    Parent,
     ResponseStore,
     SchemaTooNew,
     StoredResponse,
-    as_row,
     chain_sql,
     delete_in,
     from_chain,
@@ -123,14 +121,7 @@ class PostgresStore(ResponseStore):
         row = self._run(lambda c: c.execute("SELECT version FROM gptoss_schema").fetchone())
         return int(row[0]) if row else 0
 
-    def put(
-        self,
-        response: dict,
-        history: str,
-        calls: dict[str, str],
-        input_items: list[dict],
-        parent: Parent | None = None,
-    ) -> None:
+    def _write(self, row: Callable[[bool], tuple], parent_id: str | None) -> None:
         sql = (
             f"INSERT INTO gptoss_responses ({ROW_COLUMNS}) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
@@ -138,18 +129,15 @@ class PostgresStore(ResponseStore):
             "history = EXCLUDED.history, calls = EXCLUDED.calls, input_items = EXCLUDED.input_items, "
             "parent_id = EXCLUDED.parent_id, hidden = EXCLUDED.hidden"
         )
+        # FOR SHARE holds the parent's row until the child is in, so a delete of it sees the child
+        held = "SELECT 1 FROM gptoss_responses WHERE id = %s FOR SHARE"
 
-        def put(conn: psycopg.Connection) -> None:
+        def write(conn: psycopg.Connection) -> None:
             with conn.transaction():
-                held = parent
-                # the parent's row is share-locked until the child is in, so a delete of it sees the child
-                if held is not None and not conn.execute(
-                    "SELECT 1 FROM gptoss_responses WHERE id = %s FOR SHARE", (held.id,)
-                ).fetchone():
-                    held = None  # deleted since it was read: this row holds the whole conversation
-                conn.execute(sql, as_row(response, history, calls, input_items, held))
+                kept = parent_id is not None and conn.execute(held, (parent_id,)).fetchone() is not None
+                conn.execute(sql, row(kept))
 
-        self._run(put)
+        self._run(write)
 
     def get(self, response_id: str) -> StoredResponse | None:
         sql = chain_sql("gptoss_responses", "%s")
