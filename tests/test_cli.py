@@ -54,3 +54,21 @@ def test_help_lists_commands():
     out = run_cli("--help")
     for cmd in ("make-tiny", "make-checkpoint", "generate", "serve", "bench"):
         assert cmd in out
+
+
+def test_prune_store(tmp_path, capsys):
+    from gptoss_max.cli import main
+    from gptoss_max.server.store import SQLiteStore
+
+    path = tmp_path / "r.sqlite3"
+    store = SQLiteStore(path)
+    store.put({"id": "a"}, "{}", {}, [])
+    store.put({"id": "b"}, "{}", {}, [])
+    store.close()
+    assert main(["prune-store", "--store", str(path), "--older-than", "1"]) == 0
+    assert "deleted 0 stored responses older than 1 days" in capsys.readouterr().out
+    assert main(["prune-store", "--store", str(path), "--older-than", "0"]) == 0
+    assert "deleted 2 stored responses" in capsys.readouterr().out
+    assert SQLiteStore(path).get("a") is None
+    with pytest.raises(SystemExit):
+        main(["prune-store", "--store", str(path), "--older-than", "-1"])

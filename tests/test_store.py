@@ -326,3 +326,27 @@ def test_a_version_2_sqlite_store_is_upgraded_and_its_rows_continued(tmp_path):
     with pytest.raises(KeyError):  # what a replica still on version 2 would do with it: fail, not
         hm.from_json(raw)  # continue the conversation without its first turn
     store.close()
+
+
+def test_prune_deletes_old_responses_and_keeps_newer_turns_whole(spec):
+    store = open_store(spec)
+    histories, itemss = _put_chain(store, 4)
+    store.put({"id": "old"}, "{}", {}, [])
+    store.put({"id": "new"}, "{}", {}, [])
+    ages = {"r0": 100.0, "r1": 200.0, "r2": 300.0, "old": 50.0}  # r3 and new: now
+    sql = "UPDATE {} SET created_at = %s WHERE id = %s"
+    if spec.startswith("postgresql"):
+        with psycopg.connect(spec, autocommit=True) as conn:
+            for k, v in ages.items():
+                conn.execute(sql.format("gptoss_responses"), (v, k))
+    else:
+        with sqlite3.connect(spec) as db:
+            db.executemany(sql.format("responses").replace("%s", "?"), [(v, k) for k, v in ages.items()])
+    assert store.prune(1000.0, batch=2) == 4
+    assert [store.get(k) for k in ("r0", "r1", "r2", "old")] == [None] * 4
+    got = store.get("r3")
+    assert hm.from_json(got.history) == hm.from_json(histories[3]) and got.input_items == itemss[3]
+    assert _raw_rows(spec, "hidden") == {"r0": (1,), "r1": (1,), "r2": (1,), "r3": (0,), "new": (0,)}
+    assert store.prune(1000.0) == 0
+    assert store.delete("r3") and set(_raw_rows(spec)) == {"new"}
+    store.close()

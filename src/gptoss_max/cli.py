@@ -109,6 +109,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prune_store(args: argparse.Namespace) -> int:
+    from gptoss_max.server.store import open_store
+
+    if args.older_than < 0:
+        sys.exit("prune-store: --older-than must be at least 0 days")
+    store = open_store(args.store)
+    try:
+        n = store.prune(time.time() - args.older_than * 86400)
+    finally:
+        store.close()
+    print(f"deleted {n} stored responses older than {args.older_than:g} days from {store.location}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gptoss-max", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log MAX's progress")
@@ -142,6 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     add_deterministic_argument(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "prune-store",
+        help="delete stored responses older than some days (a conversation's newer turns stay whole)",
+        description="Deletes what DELETE /v1/responses/{id} would, for every stored response created "
+        "more than --older-than days ago; one that a newer response continues is kept hidden for it. "
+        "Safe to run (e.g. daily from cron) while servers use the store.",
+    )
+    p.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    p.add_argument("--store", default=None, metavar="PATH_OR_URL",
+                   help="as serve's --store: a SQLite file (default: in the data dir) or a "
+                        "postgresql:// URL")  # fmt: skip
+    p.set_defaults(func=cmd_prune_store)
 
     from gptoss_max.e2e import add_arguments
 

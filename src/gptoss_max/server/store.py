@@ -124,6 +124,19 @@ class ResponseStore(ABC):
     @abstractmethod
     def schema_version(self) -> int: ...
 
+    def prune(self, before: float, batch: int = 500) -> int:
+        """Delete every stored response created before `before` (Unix time), newest first, as
+        `delete` does one (so one that a newer response continues stays, hidden, for it; its
+        ancestors go when their last continuation does). Returns how many were deleted."""
+        deleted = 0
+        while ids := self._visible_before(before, batch):
+            deleted += sum(self.delete(i) for i in ids)
+        return deleted
+
+    @abstractmethod
+    def _visible_before(self, before: float, limit: int) -> list[str]:
+        """Up to `limit` ids of responses not deleted and created before `before`, newest first."""
+
     def close(self) -> None:  # noqa: B027 - optional for a backend
         pass
 
@@ -147,6 +160,9 @@ def as_row(
         response["id"], time.time(), json.dumps(response), history, json.dumps(calls), json.dumps(input_items),
         parent_id, 0,
     )  # fmt: skip
+
+
+VISIBLE_BEFORE = "SELECT id FROM {} WHERE hidden = 0 AND created_at < %s ORDER BY created_at DESC LIMIT %s"
 
 
 def chain_sql(table: str, param: str) -> str:
@@ -231,6 +247,10 @@ class SQLiteStore(ResponseStore):
             kept = parent_id is not None and bool(self._query("SELECT 1 FROM responses WHERE id = %s", (parent_id,)))
             sql = f"INSERT OR REPLACE INTO responses ({ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
             self._db.execute(sql, row(kept))
+
+    def _visible_before(self, before: float, limit: int) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._query(VISIBLE_BEFORE.format("responses"), (before, limit))]
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:

@@ -20,6 +20,7 @@ from psycopg.conninfo import conninfo_to_dict
 from gptoss_max.server.store import (
     ROW_COLUMNS,
     SCHEMA_VERSION,
+    VISIBLE_BEFORE,
     ResponseStore,
     SchemaTooNew,
     StoredResponse,
@@ -138,6 +139,10 @@ class PostgresStore(ResponseStore):
                 conn.execute(sql, row(kept))
 
         self._run(write)
+
+    def _visible_before(self, before: float, limit: int) -> list[str]:
+        sql = VISIBLE_BEFORE.format("gptoss_responses")
+        return [r[0] for r in self._run(lambda c: c.execute(sql, (before, limit)).fetchall())]
 
     def get(self, response_id: str) -> StoredResponse | None:
         sql = chain_sql("gptoss_responses", "%s")
