@@ -165,6 +165,9 @@ def as_row(
 VISIBLE_BEFORE = "SELECT id FROM {} WHERE hidden = 0 AND created_at < %s ORDER BY created_at DESC LIMIT %s"
 
 
+MAX_CHAIN = 100_000  # turns a chain is followed for: past it (or in a cycle) it reads as broken
+
+
 def chain_sql(table: str, param: str) -> str:
     """The rows from a response up to its root, nearest first: (response, history, calls,
     input_items, parent_id, hidden). Both backends' SQL has WITH RECURSIVE."""
@@ -173,7 +176,7 @@ def chain_sql(table: str, param: str) -> str:
         f"WITH RECURSIVE chain (depth, {cols}) AS ("
         f"SELECT 0, {cols} FROM {table} WHERE id = {param} "
         f"UNION ALL SELECT c.depth + 1, {', '.join('r.' + c for c in cols.split(', '))} "
-        f"FROM {table} r JOIN chain c ON r.id = c.parent_id"
+        f"FROM {table} r JOIN chain c ON r.id = c.parent_id WHERE c.depth < {MAX_CHAIN}"
         f") SELECT {cols} FROM chain ORDER BY depth"
     )
 
