@@ -9,7 +9,8 @@
 # arguments (not --out) for a prefill A/B, e.g.
 #   BENCH="--prefill --models 120b,20b --tokens 4096 --sweep-tokens=4096,8192,16384 --cross-tokens= \
 #     --configs 10 --reps 5 --no-stock --deadline 150" BENCH_TIMEOUT=200 scripts/gpu_patch_ab.sh ...
-# Each run's figures are printed from its JSON: decode rows (us per layer), prefill sweep (TFLOP/s).
+# Each run's figures are printed from its JSON: decode rows (us per layer), prefill sweep (TFLOP/s),
+# prefill crossover (ms per layer, the decode kernel's and each config's).
 set -u
 patch_file=${1:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
 out=${2:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
@@ -41,7 +42,11 @@ for f in sorted(glob.glob(sys.argv[1] + "/moe_*.json")):
     d = json.load(open(f))
     for r in d.get("sweep") or []:
         print(f"  {r['model']:>4} T={r['tokens']:<6} c{r['config']:<3} {r['tflops']} TFLOP/s")
-    if not d.get("sweep"):
+    for model, c in (d.get("crossover") or {}).items():
+        for p in c.get("points", []):
+            by = {k: None if v is None else round(v, 4) for k, v in p["prefill_ms_by_config"].items()}
+            print(f"  {model:>4} T={p['tokens']:<6} decode {p['decode_ms'] and round(p['decode_ms'], 4)} ms, prefill {by}")
+    if not d.get("sweep") and not d.get("crossover"):
         for r in d.get("rows", []):
             print(f"  {r['model']:>4} T={r['tokens']:<6} {r.get('ours_us')} us")
     print(f"  correctness: {[(c.get('path'), c.get('tokens'), c.get('rel_err')) for c in d.get('correctness', [])]}")
