@@ -295,7 +295,8 @@ def test_a_broken_chain_reads_as_missing(tmp_path, caplog):
     _put_chain(store, 3)
     with sqlite3.connect(path) as db:  # what only an outside hand could do
         db.execute("DELETE FROM responses WHERE id = 'r0'")
-    assert store.get("r2") is None and "broken" in caplog.text
+    assert store.get("r2") is None and "r.sqlite3: r2 is broken at r0" in caplog.text
+    assert "question" not in caplog.text, "names the response, does not print its conversation"
     with sqlite3.connect(path) as db:  # a cycle: read as broken, not followed forever
         db.execute("UPDATE responses SET parent_id = 'r2' WHERE id = 'r1'")
     assert store.get("r2") is None

@@ -732,9 +732,10 @@ comptime P2_BK = 64
 def cfg_min_blocks(c: Int) -> Int:
     """Blocks per SM a p2 config is built for (ptxas caps registers at
     65536 / (threads * this)). c7 (64-token tiles, taken below 32 pairs per
-    expert) at 3: its small tiles wait on the weights' latency, not on the
-    tensor cores, and a third block per SM (54 KB of shared memory each; 80
-    registers against 90 at 2) puts more bytes in flight: H200 2026-12-01,
+    expert) at 3 (54 KB of shared memory each; 80 registers against 90 at
+    2): its small tiles leave the tensor cores idle and are bound by the
+    decode's instruction issue, so a third block's warps help where a deeper
+    ring did not (bench/NOTES.md, "Twenty-sixth session"): H200 2026-12-01,
     120b T = 128 / 256 / 512 0.770 / 0.781 / 0.816 ms against 0.865 / 0.864 /
     0.915, 20b T = 32 / 128 0.215 / 0.238 against 0.280 / 0.280
     (bench/results/moe_prefill_h200_20261201_s26_v45*.json; c7 with 8 stages

@@ -181,14 +181,15 @@ def chain_sql(table: str, param: str) -> str:
     )
 
 
-def from_chain(rows: list[tuple], where: str = "") -> StoredResponse | None:
+def from_chain(rows: list[tuple], where: str) -> StoredResponse | None:
     """Join a chain (nearest first, as `chain_sql` returns it) into one response; None if the
     response is not stored or deleted. A chain whose root is missing cannot be joined: None too
-    (the store never leaves one, since a parent is kept while it has children)."""
+    (the store never leaves one, since a parent is kept while it has children); `where` names the
+    store and the response for that log line."""
     if not rows or rows[0][5]:
         return None
     if rows[-1][4] is not None:
-        logger.error("stored response chain of %s%s is broken at %s", where, rows[0], rows[-1][4])
+        logger.error("stored response chain of %s is broken at %s", where, rows[-1][4])
         return None
     response, history, calls = json.loads(rows[0][0]), rows[0][1], json.loads(rows[0][2])
     items: list[dict] = []
@@ -222,24 +223,18 @@ class SQLiteStore(ResponseStore):
         self._migrate()
 
     def _migrate(self) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")  # one process migrates at a time
-            try:
-                version = self._db.execute("PRAGMA user_version").fetchone()[0]
-                if version == 0 and self._db.execute(
-                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'responses'"
-                ).fetchone():
-                    version = 1  # written before versions were marked
-                if version > SCHEMA_VERSION:
-                    raise SchemaTooNew(version, self.location)
-                for statements in MIGRATIONS[version:]:
-                    for sql in statements:
-                        self._db.execute(sql)
-                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._lock, self._transaction():  # BEGIN IMMEDIATE: one process migrates at a time
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0 and self._db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'responses'"
+            ).fetchone():
+                version = 1  # written before versions were marked
+            if version > SCHEMA_VERSION:
+                raise SchemaTooNew(version, self.location)
+            for statements in MIGRATIONS[version:]:
+                for sql in statements:
+                    self._db.execute(sql)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def schema_version(self) -> int:
         with self._lock:
@@ -258,7 +253,7 @@ class SQLiteStore(ResponseStore):
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
             rows = self._db.execute(chain_sql("responses", "?"), (response_id,)).fetchall()
-        return from_chain(rows, self.location + ": ")
+        return from_chain(rows, f"{self.location}: {response_id}")
 
     def delete(self, response_id: str) -> bool:
         with self._lock, self._transaction():

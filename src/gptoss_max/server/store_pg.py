@@ -147,7 +147,7 @@ class PostgresStore(ResponseStore):
     def get(self, response_id: str) -> StoredResponse | None:
         sql = chain_sql("gptoss_responses", "%s")
         rows: Any = self._run(lambda c: c.execute(sql, (response_id,)).fetchall())
-        return from_chain(rows, self.location + ": ")
+        return from_chain(rows, f"{self.location}: {response_id}")
 
     def delete(self, response_id: str) -> bool:
         def delete(conn: psycopg.Connection) -> bool:
