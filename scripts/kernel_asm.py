@@ -4,7 +4,8 @@
 Takes the kernel package (src/gptoss_max/kernels) as graphs load it, compiles a small Mojo
 program that prints `_compile_code[kernel, target=sm_90a]` for each kernel asked for, and
 writes one `.ptx` per kernel. With `--ptxas` (from the `nvidia-cuda-nvcc-cu12` wheel) it
-also reports registers / spills / shared memory, and with `--nvdisasm` (from the `triton`
+also reports registers / spills / shared memory and ptxas' "Potential Performance Loss" notes
+(serialized wgmmas among them), and with `--nvdisasm` (from the `triton`
 wheel: `pip download --no-deps triton`, then unzip `triton/backends/nvidia/bin/nvdisasm`)
 writes the SASS and counts its instructions by opcode.
 
@@ -83,9 +84,22 @@ def wheel_ptxas() -> str | None:
     return str(path) if path.is_file() else None
 
 
+# ptxas -v's notes that it degraded the code, e.g. "(C7512) Potential Performance Loss:
+# wgmma.mma_async instructions are serialized due to insufficient register resources": every
+# wgmma then waits for the one before it (WARPGROUP.DEPBAR 0), with no other sign in the
+# register or spill counts.
+PERF_LOSS = re.compile(r"\((C\d+)\) Potential Performance Loss: (.*?)(?: for the function| in the function|$)")
+
+
+def perf_losses(stderr: str) -> list[str]:
+    """ptxas' "Potential Performance Loss" notes in its -v output, as "C7512: <what>"."""
+    return [f"{m.group(1)}: {m.group(2).strip()}" for m in map(PERF_LOSS.search, stderr.splitlines()) if m]
+
+
 def ptxas_info(ptx: str, ptxas: str, work: Path) -> dict[str, int]:
     """ptxas -v for sm_90a of one kernel's PTX: registers, spill stores / loads (bytes), stack
-    frame (bytes). Raises on a ptxas error."""
+    frame (bytes), and perf_losses (how many "Potential Performance Loss" notes, such as
+    serialized wgmmas). Raises on a ptxas error."""
     src = work / "k.ptx"
     src.write_text(ptx)
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(work / "k.cubin")],
@@ -101,6 +115,7 @@ def ptxas_info(ptx: str, ptxas: str, work: Path) -> dict[str, int]:
     ):
         m = re.search(pattern, r.stderr)
         info[key] = int(m.group(1)) if m else 0
+    info["perf_losses"] = len(perf_losses(r.stderr))
     return info
 
 
@@ -260,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in r.stderr.splitlines():
             if "registers" in line or "spill" in line or "error" in line:
                 print("   ", line.strip())
+        for note in perf_losses(r.stderr):
+            print("    ptxas performance loss", note)
         if args.nvdisasm and r.returncode == 0:
             sass = subprocess.run([args.nvdisasm, "-c", str(stem.with_suffix(".cubin"))], capture_output=True,
                                   text=True).stdout  # fmt: skip

@@ -141,19 +141,52 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
 
 def test_ptx_of_the_prefill_wgmma_loops(asm, tmp_path):
     """The p2 stage loop runs unrolled by its 4 stages where it does not spill (c5's 128-token
-    kernel) and as one body elsewhere (c9's 160-token kernel with its two-part tile)."""
+    kernel) and as one body elsewhere (c9's 160-token kernel with its two-part tile, c7's 64-token
+    one at three blocks per SM); ptxas pipelines every one of these kernels' wgmmas."""
     specs = [
         "moe_prefill_gpu.p2_gemm_kernel[False, 128, 2, 4, 2]",
         "moe_prefill_gpu.p2_gemm_kernel[False, 160, 2, 4, 2]",
+        "moe_prefill_gpu.p2_gemm_kernel[True, 64, 2, 4, 3]",
+        "moe_prefill_gpu.p2_absorbed_kernel[False, 128, 2, 4, 2]",
     ]
-    c5, c9 = asm.build_ptx(specs, tmp_path).values()
-    for k in (c5, c9):
-        assert ".target sm_90a" in k and ".minnctapersm 2" in k and "cp.async.ca.shared.global" in k
+    ptx = asm.build_ptx(specs, tmp_path)
+    c5, c9, c7, c10b = ptx.values()
+    for k in (c5, c9, c7, c10b):
+        assert ".target sm_90a" in k and "cp.async.ca.shared.global" in k
+    assert all(".minnctapersm 2" in k for k in (c5, c9, c10b)) and ".minnctapersm 3" in c7
     # wgmma k16 steps: 3 token-tile variants x 2 scale paths x 4 steps per stage body; c5 has 4
-    # unrolled bodies + 3 for the stages past the last multiple of 4, c9 one body, and its
-    # two-part tile (2 scale paths x 4 steps x 2 wgmma) on top
+    # unrolled bodies + 3 for the stages past the last multiple of 4, c9 and c7 one body, c9 its
+    # two-part tile (2 scale paths x 4 steps x 2 wgmma) on top, c10's absorbed launch that alone
     assert c5.count("wgmma.mma_async") == 3 * 2 * 4 * (4 + 3)
     assert c9.count("wgmma.mma_async") == 3 * 2 * 4 + 2 * 4 * 2
+    assert c7.count("wgmma.mma_async") == 3 * 2 * 4 and c10b.count("wgmma.mma_async") == 2 * 4 * 2
+    # ptxas serializes a kernel's wgmmas (each waits for the one before) when it lacks the
+    # registers to keep one in flight (C7512) or sees the accumulators touched inside the
+    # pipeline (C7515): s27's v47 (c7's N = 32 / 64 tiles unrolled beside its N = 16 body, 80
+    # registers) had that, with nothing to show for it in the register or spill counts.
+    ptxas = asm.wheel_ptxas()
+    assert ptxas, "the nvidia-cuda-nvcc-cu12 wheel (test extras) holds ptxas"
+    for spec, k in ptx.items():
+        info = asm.ptxas_info(k, ptxas, tmp_path)
+        assert info["perf_losses"] == 0, (spec, info)
+        assert info["registers"] <= 65536 // (256 * (3 if k is c7 else 2)), (spec, info)
+
+
+def test_ptxas_performance_loss_notes_are_read(asm):
+    err = (
+        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due"
+        " to insufficient register resources for the function 'k_beb0'\n"
+        "ptxas info    : Used 80 registers, used 1 barriers, 24 bytes cumulative stack size\n"
+        "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due"
+        " to non wgmma instructions defining accumulator registers of a wgmma between start and end of the"
+        " pipeline stage in the function 'k_b510'\n"
+    )
+    assert asm.perf_losses(err) == [
+        "C7512: wgmma.mma_async instructions are serialized due to insufficient register resources",
+        "C7515: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator"
+        " registers of a wgmma between start and end of the pipeline stage",
+    ]
+    assert asm.perf_losses("ptxas info    : Used 80 registers") == []
 
 
 def test_opcode_counts_read_predicated_sass(asm):
