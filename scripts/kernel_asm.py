@@ -240,6 +240,19 @@ def loops(sass: str, needs: tuple[str, ...] = MMA_OPS) -> list[tuple[str, collec
     return [(label, opcode_counts(text)) for label, text in _loop_bodies(sass, needs)]
 
 
+def wgmma_waits(text: str) -> collections.Counter:
+    """How many of the SASS's wgmma waits (`WARPGROUP.DEPBAR.LE gsb0, 0xN`) leave N groups in
+    flight, by N. A loop whose waits are all 0 runs its wgmmas one at a time, each waited for
+    before the next fragment is decoded: what ptxas does when it serializes them (C7512 / C7515)."""
+    depths = re.finditer(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", text)
+    return collections.Counter(int(m.group(1), 16) for m in depths)
+
+
+def loop_wgmma_waits(sass: str) -> list[tuple[str, collections.Counter]]:
+    """wgmma_waits of each wgmma loop (loops() with needs HGMMA)."""
+    return [(label, wgmma_waits(text)) for label, text in _loop_bodies(sass, ("HGMMA",))]
+
+
 def control_loops(hex_sass: str, needs: tuple[str, ...] = MMA_OPS) -> list[tuple[str, list[Control]]]:
     """loops() of `nvdisasm -hex` output: each loop's label and its instructions' controls."""
     return [(label, controls(text)) for label, text in _loop_bodies(hex_sass, needs, with_next=True)]
@@ -284,10 +297,15 @@ def main(argv: list[str] | None = None) -> int:
             top = ", ".join(f"{op} {n}" for op, n in opcode_counts(sass).most_common(12))
             print(f"    SASS {sum(opcode_counts(sass).values())} instructions: {top}")
             if args.loops:
+                waits = dict(loop_wgmma_waits(sass))
                 for label, counts in loops(sass):
                     top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
                     mmas = ", ".join(f"{op} {counts[op]}" for op in MMA_OPS if counts[op])
-                    print(f"    loop {label}: {sum(counts.values())} instructions, {mmas}: {top}")
+                    depth = ""
+                    if waits.get(label):
+                        by_depth = sorted(waits[label].items())
+                        depth = "; wgmma waits " + ", ".join(f"{n} x {d} in flight" for d, n in by_depth)
+                    print(f"    loop {label}: {sum(counts.values())} instructions, {mmas}{depth}: {top}")
             if args.controls:
                 hex_sass = subprocess.run([args.nvdisasm, "-c", "-hex", str(stem.with_suffix(".cubin"))],
                                           capture_output=True, text=True).stdout  # fmt: skip

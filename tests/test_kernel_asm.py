@@ -225,6 +225,22 @@ def test_loops_count_the_body_of_each_mma_loop(asm):
     assert asm.loops(sass, needs=("HMMA",)) == [got]
 
 
+def test_wgmma_waits_tell_a_pipelined_loop_from_a_serialized_one(asm):
+    """The k16 steps of the p2 loop as ptxas writes them: one wgmma left in flight while the next
+    fragment is decoded (main's c7), or every one waited for (v47's c7, C7512)."""
+    step = """
+        /*0000*/                   HMUL2.BF16_V2 R35, R38, R32 ;
+        /*0010*/                   WARPGROUP.ARRIVE ;
+        /*0020*/                   HGMMA.64x16x16.F32.BF16 R24, R32, gdesc[UR8], R24, gsb0 ;
+        /*0030*/                   WARPGROUP.DEPBAR.LE gsb0, {depth} ;
+"""
+    for depth, want in (("0x1", {1: 4}), ("0x0", {0: 4})):
+        sass = ".L_x_7:\n" + step.format(depth=depth) * 4 + "        /*0040*/               @P0 BRA `(.L_x_7) ;\n"
+        sass += "        /*0050*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n"  # the drain after the loop
+        assert asm.loop_wgmma_waits(sass) == [(".L_x_7", want)]
+        assert asm.wgmma_waits(sass) == {**want, 0: want.get(0, 0) + 1}
+
+
 def test_controls_decode_the_scoreboards_of_nvdisasm_hex(asm):
     # Lines of `nvdisasm -hex` for the multi-token gate_up's ring loop (sm_90a, ptxas 12): the next
     # batch's weight load counts on scoreboard 5, a scale byte from shared memory on 0, and the
