@@ -58,12 +58,12 @@ EXTRA = 32  # c9's and c10's second wgmma part (160 = 128 + 32; ABSORB)
 
 
 def auto_config(pairs_per_expert: int, experts: int) -> int:
-    """moe_prefill_gpu.mojo's auto_config (the c9 / c10 band, c10 above 240, c5 from 32, else c7)."""
+    """moe_prefill_gpu.mojo's auto_config (the c9 / c10 band, c10 above 240, c5 from 80, else c7)."""
     if 120 <= pairs_per_expert <= 160:
         return 10 if experts >= 64 else 9
     if pairs_per_expert >= 240:
         return 10
-    return 5 if pairs_per_expert >= 32 else 7
+    return 5 if pairs_per_expert >= 80 else 7
 
 
 def one_part_n(rows: int, base: int) -> int:

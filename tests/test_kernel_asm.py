@@ -141,8 +141,8 @@ def test_ptx_of_the_moe_and_attention_kernels(asm, tmp_path):
 
 def test_ptx_of_the_prefill_wgmma_loops(asm, tmp_path):
     """The p2 stage loop runs unrolled by its 4 stages where it does not spill (c5's 128-token
-    kernel) and as one body elsewhere (c9's 160-token kernel with its two-part tile, c7's 64-token
-    one at three blocks per SM); ptxas pipelines every one of these kernels' wgmmas."""
+    kernel, c7's 64-token one at three blocks per SM) and as one body elsewhere (c9's 160-token
+    kernel with its two-part tile); ptxas pipelines every one of these kernels' wgmmas."""
     specs = [
         "moe_prefill_gpu.p2_gemm_kernel[False, 128, 2, 4, 2]",
         "moe_prefill_gpu.p2_gemm_kernel[False, 160, 2, 4, 2]",
@@ -155,11 +155,14 @@ def test_ptx_of_the_prefill_wgmma_loops(asm, tmp_path):
         assert ".target sm_90a" in k and "cp.async.ca.shared.global" in k
     assert all(".minnctapersm 2" in k for k in (c5, c9, c10b)) and ".minnctapersm 3" in c7
     # wgmma k16 steps: 3 token-tile variants x 2 scale paths x 4 steps per stage body; c5 has 4
-    # unrolled bodies + 3 for the stages past the last multiple of 4, c9 and c7 one body, c9 its
+    # unrolled bodies + 3 for the stages past the last multiple of 4, c9 one body and its
     # two-part tile (2 scale paths x 4 steps x 2 wgmma) on top, c10's absorbed launch that alone
     assert c5.count("wgmma.mma_async") == 3 * 2 * 4 * (4 + 3)
     assert c9.count("wgmma.mma_async") == 3 * 2 * 4 + 2 * 4 * 2
-    assert c7.count("wgmma.mma_async") == 3 * 2 * 4 and c10b.count("wgmma.mma_async") == 2 * 4 * 2
+    assert c10b.count("wgmma.mma_async") == 2 * 4 * 2
+    # c7: unrolled as c5, its N = 16 tile with its first 4 stages peeled (wgmma_first)
+    assert c7.count("m64n32k16") == c7.count("m64n64k16") == 2 * 4 * (4 + 3)
+    assert c7.count("m64n16k16") == 2 * 4 * (4 + 4 + 3)
     # ptxas serializes a kernel's wgmmas (each waits for the one before) when it lacks the
     # registers to keep one in flight (C7512) or sees the accumulators touched inside the
     # pipeline (C7515): s27's v47 (c7's N = 32 / 64 tiles unrolled beside its N = 16 body, 80

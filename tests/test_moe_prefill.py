@@ -56,7 +56,8 @@ def main() raises:
           prefill_choice(3584, 4, 128, 2880, 2880, 0), prefill_choice(3840, 4, 128, 2880, 2880, 0),
           prefill_choice(4608, 4, 128, 2880, 2880, 0), prefill_choice(5120, 4, 128, 2880, 2880, 0),
           prefill_choice(5152, 4, 128, 2880, 2880, 0), prefill_choice(1024, 4, 32, 2880, 2880, 0),
-          prefill_choice(7648, 4, 128, 2880, 2880, 0), prefill_choice(7680, 4, 128, 2880, 2880, 0))
+          prefill_choice(7648, 4, 128, 2880, 2880, 0), prefill_choice(7680, 4, 128, 2880, 2880, 0),
+          prefill_choice(2528, 4, 128, 2880, 2880, 0), prefill_choice(2560, 4, 128, 2880, 2880, 0))
     # test_moe_op.py's t288_c9 case (288 tokens, top-4 of 8 experts, H = I = 128) takes c9 on a GPU
     print("choice_t288", prefill_choice(288, 4, 8, 128, 128, 0))
     # and its t2048_c10 case (2048 tokens, top-4 of 64 experts, H = I = 64) takes c10
@@ -193,8 +194,8 @@ def test_path_choice(lines) -> None:
     choice = {(int(t), int(e), int(p)): int(c) for t, e, p, c in _rows(lines, "choice")}
     assert choice[(64, 128, 0)] == -1 and choice[(96, 128, 0)] >= 0
     # 120b (128 experts) 112 -> c5, 120, 144, 160 -> c10, 161 -> c5; 20b (32 experts) at 128 -> c9;
-    # 120b 239 -> c5, 240 -> c10
-    assert band == [5, 10, 10, 10, 5, 9, 5, 10]
+    # 120b 239 -> c5, 240 -> c10; 120b 79 -> c7, 80 -> c5 (C7_MAX_PAIRS)
+    assert band == [5, 10, 10, 10, 5, 9, 5, 10, 7, 5]
     assert _rows(lines, "choice_t288") == [["9"]]
     assert _rows(lines, "choice_t2048") == [["10"]]
 
@@ -229,7 +230,7 @@ def test_prefill_tiles_script_follows_the_kernels(lines) -> None:
     auto = [(t, e, c) for t, e, path, c in (map(int, r) for r in _rows(lines, "choice")) if path == 0 and c >= 0]
     # the band edges of "choice_auto" (its first value is a K = 96 shape, p1: not mirrored)
     edges = [(8192, 128), (512, 128), (16384, 128), (3584, 128), (3840, 128), (4608, 128), (5120, 128),
-             (5152, 128), (1024, 32), (7648, 128), (7680, 128)]  # fmt: skip
+             (5152, 128), (1024, 32), (7648, 128), (7680, 128), (2528, 128), (2560, 128)]  # fmt: skip
     auto += [(t, e, int(c)) for (t, e), c in zip(edges, _rows(lines, "choice_auto")[0][1:], strict=True)]
     assert len({c for _, _, c in auto}) >= 4  # c5, c7, c9 and c10 among them
     for t, e, c in auto:

@@ -69,7 +69,8 @@ from std.atomic import Atomic, Ordering
 from std.collections import Array
 from std.memory import bitcast, stack_allocation
 from std.os import getenv
-from std.sys import is_gpu
+from std.sys import _RegisterPackType, is_gpu
+from std.sys._assembly import inlined_assembly
 from std.utils import StaticTuple
 
 from .moe_common import decode_slot, gptoss_swiglu, scale_mult, scaled_pair
@@ -156,6 +157,11 @@ comptime C9_MIN_PAIRS = 120
 comptime C9_MAX_PAIRS = 160
 comptime C10_MIN_EXPERTS = 64
 comptime C10_MIN_PAIRS_ABOVE = 240
+# Mean routed pairs per expert from which c5 (128-token tiles) beats c7 (64-token tiles, unrolled
+# with its first stages peeled since 2026-12-01): H200, 120b c7 1.647 / c5 1.695 ms at 72 pairs,
+# c5 1.763 / 1.885 at 80; 20b c7 ahead through 88, c5 at 96 (0.441 / 0.474)
+# (moe_prefill_h200_20261201_s28_c7_threshold_*.json, _c5_c7_c9_c10_mid.json).
+comptime C7_MAX_PAIRS = 80
 
 
 def auto_config(pairs_per_expert: Int, n_experts: Int) -> Int:
@@ -183,12 +189,16 @@ def auto_config(pairs_per_expert: Int, n_experts: Int) -> Int:
     c5 329.8 / 336.4 against c10 321.5 / 334.4 (120b), 314.1 / 326.3 against
     292.9 / 316.9 (20b); at 384 / 400 c10 390.3 / 387.9 against 372.2 /
     371.0 (moe_prefill_h100_20261122_c10_edges.json).
-    c6 and the p1 configs (c0..c4) stay selectable by path."""
+    c6 and the p1 configs (c0..c4) stay selectable by path.
+    Since c7's loop is unrolled with its first stages peeled (v49, H200
+    2026-12-01), c7 beats c5 up to C7_MAX_PAIRS (80) pairs per expert, not 32:
+    120b T = 1024 / 2048 (32 / 64 pairs) 0.897 / 1.407 ms against c5's 1.002 /
+    1.443, 20b T = 512 (64) 0.358 against 0.418."""
     if pairs_per_expert >= C9_MIN_PAIRS and pairs_per_expert <= C9_MAX_PAIRS:
         return 10 if n_experts >= C10_MIN_EXPERTS else 9
     if pairs_per_expert >= C10_MIN_PAIRS_ABOVE:
         return 10
-    if pairs_per_expert >= 32:
+    if pairs_per_expert >= C7_MAX_PAIRS:
         return 5
     return 7
 
@@ -731,7 +741,7 @@ comptime P2_BK = 64
 @always_inline
 def cfg_min_blocks(c: Int) -> Int:
     """Blocks per SM a p2 config is built for (ptxas caps registers at
-    65536 / (threads * this)). c7 (64-token tiles, taken below 32 pairs per
+    65536 / (threads * this)). c7 (64-token tiles, taken below C7_MAX_PAIRS pairs per
     expert) at 3 (54 KB of shared memory each; 80 registers against 90 at
     2): its small tiles leave the tensor cores idle and are bound by the
     decode's instruction issue, so a third block's warps help where a deeper
@@ -1039,7 +1049,7 @@ def _p2_words[
 
 @always_inline
 def _p2_stage[
-    BM: Int, NT: Int, NT2: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool, J: Int
+    BM: Int, NT: Int, NT2: Int, NWG: Int, STAGES: Int, CPT: Int, BIG: Bool, J: Int, FIRST: Bool = False
 ](
     smem: Pointer[UInt8, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     mut acc: SIMD[DType.float32, NT // 2],
@@ -1059,7 +1069,8 @@ def _p2_stage[
 ):
     """Stage kb of the tile's k loop, kept in shared-memory stage kb mod
     STAGES: J when J >= 0 (compile-time, so every shared address of the stage
-    is a constant offset), else computed at run time. Wait for its copies,
+    is a constant offset), else computed at run time; FIRST: the tile's first
+    stage, whose first k16 step writes the accumulators (wgmma_first). Wait for its copies,
     issue the copies STAGES - 2 stages ahead, decode the A fragments of rows
     r0, r0 + 1 and run four wgmma k16 steps (one group each, at most two in
     flight); with NT2 > 0 each step also multiplies the same A fragment by
@@ -1077,8 +1088,10 @@ def _p2_stage[
     # this thread issues the copies of stage kb + STAGES - 2 (p14).
     var win = UInt32(0)
     var words = SIMD[DType.uint32, 4](0)
-    # Not in two-part tiles, nor in c9's 160-token kernel: held across the copies, they spill there.
-    comptime EARLY = NT2 == 0 and p2_base_n(BM) == BM
+    # Not in two-part tiles, nor in c9's 160-token kernel: held across the copies, they spill there;
+    # nor in c7's 64-token kernel (80 registers at 3 blocks per SM: held across the copies, they
+    # add local loads to its unrolled loops, which are issue-bound).
+    comptime EARLY = NT2 == 0 and p2_base_n(BM) == BM and BM >= 128
     comptime if EARLY:
         if wg_active:
             var st = _p2_stage_at[STAGES, STAGE, J](kb)
@@ -1110,15 +1123,49 @@ def _p2_stage[
                 # + 32 bytes per k16 step: + 2 in the start-address field (no carry:
                 # shared addresses are below 2^18, the field holds addr >> 4 in 14 bits)
                 var desc = desc0 + Int64(2 * (2 * blk + s2))
-                acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
-                    frag, WGMMADescriptor[DType.bfloat16](desc), acc
-                )
+                comptime if FIRST and blk == 0 and s2 == 0:
+                    acc = wgmma_first[NT](frag, desc)
+                else:
+                    acc = wgmma_async[64, NT, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
+                        frag, WGMMADescriptor[DType.bfloat16](desc), acc
+                    )
                 comptime if NT2 > 0:
                     acc2 = wgmma_async[64, NT2, 16, a_type=DType.bfloat16, b_type=DType.bfloat16](
                         frag, WGMMADescriptor[DType.bfloat16](p2_part_desc(desc, NT)), acc2
                     )
                 wgmma_commit_group_sync()
                 wgmma_wait_group_sync[1]()
+
+
+@always_inline
+def p2_first_peeled(bm: Int, nt: Int) -> Bool:
+    """Whether a tile's unrolled k loop runs its first STAGES stages peeled,
+    the first k16 step writing the accumulators (wgmma_first): c7's N = 16
+    tiles (_p2_loop). Stage 0 runs unconditionally (p2_feasible: K >= 64)."""
+    return bm == 64 and nt == 16
+
+
+@always_inline
+def wgmma_first[NT: Int](frag: SIMD[DType.bfloat16, 8], desc: Int64) -> SIMD[DType.float32, NT // 2]:
+    """wgmma m64n16k16 bf16 with A from registers and scale-d 0 (D = A B), its
+    accumulators outputs only, so that no instruction defines them before a
+    tile's first k16 step (Mojo's wgmma_async takes them as inputs as well).
+    The caller fences before and commits after, as for wgmma_async."""
+    comptime assert NT == 16, "c7's N = 16 tiles only (p2_first_peeled)"
+    var a = bitcast[DType.uint32, 4](frag)
+    var r = inlined_assembly[
+        (
+            "{ .reg .pred p; setp.ne.b32 p, 0, 0; wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+            "{$0, $1, $2, $3, $4, $5, $6, $7}, {$8, $9, $10, $11}, $12, p, 1, 1, 0; }"
+        ),
+        _RegisterPackType[Float32, Float32, Float32, Float32, Float32, Float32, Float32, Float32],
+        constraints="=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,l",
+        has_side_effect=True,
+    ](a[0], a[1], a[2], a[3], desc)
+    var d = SIMD[DType.float32, NT // 2](0)
+    comptime for i in range(NT // 2):
+        d[i] = r[i]
+    return d
 
 
 @always_inline
@@ -1141,14 +1188,18 @@ def _p2_loop[
     nkb: Int,
 ):
     """The tile's k loop (_p2_stage per 64-k stage). Tiles of one wgmma part
-    and at least 128 tokens run it unrolled by STAGES, so that each copy of
+    and a power-of-two BM run it unrolled by STAGES, so that each copy of
     the body has its stage's shared addresses as constants and the global
     addresses step once per STAGES stages (the last nkb mod STAGES stages run
-    the same bodies, each behind its bound check). The others keep one body
-    with the stage picked at run time: c9's 160-token kernel and the
-    two-part tiles would spill (ptxas at the 128-register cap), and the
-    64-token tiles (c7) would get their wgmmas serialized (C7515)."""
-    comptime if NT2 > 0 or BM < 128 or p2_base_n(BM) != BM:
+    the same bodies, each behind its bound check): c7's loops 168-179 ->
+    125.5-129.5 instructions a stage. The others keep one body with the
+    stage picked at run time: c9's 160-token kernel and the two-part tiles
+    would spill (ptxas at the 128-register cap). c7's N = 16 tiles run their
+    first STAGES stages peeled, the first k16 step by wgmma_first: with the
+    accumulators zeroed before the loop instead, ptxas kept the zeros in
+    uniform registers, copied them into the accumulators at the loop's entry
+    and serialized the kernel's wgmmas (C7515)."""
+    comptime if NT2 > 0 or p2_base_n(BM) != BM:
         for kb in range(nkb):
             _p2_stage[BM, NT, NT2, NWG, STAGES, CPT, BIG, -1](
                 smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb, kb
@@ -1156,6 +1207,16 @@ def _p2_loop[
         wgmma_wait_group_sync[0]()
         return
     var kb = 0
+    comptime if p2_first_peeled(BM, NT):
+        _p2_stage[BM, NT, NT2, NWG, STAGES, CPT, BIG, 0, True](
+            smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb, 0
+        )
+        comptime for j in range(1, STAGES):
+            if j < nkb:
+                _p2_stage[BM, NT, NT2, NWG, STAGES, CPT, BIG, j](
+                    smem, acc, acc2, a_src, x_off, blocks, b_off, scales, s_off, tid, r0, q, wg_active, nkb, j
+                )
+        kb = STAGES
     while kb + STAGES <= nkb:
         comptime for j in range(STAGES):
             _p2_stage[BM, NT, NT2, NWG, STAGES, CPT, BIG, j](
