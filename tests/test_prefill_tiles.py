@@ -60,6 +60,6 @@ def test_padding_shares_add_up_and_narrow_parts_only_shrink_the_two_part_kind(ca
         assert p["full"] == 0.0  # full tiles hold exactly their rows
     assert v44["partial"] == main["partial"] and v44["two_part"] < main["two_part"] / 2
     assert 0.05 < main["two_part"] < 0.12  # bench/NOTES.md, "v44 prepared": ~8 % at 120b T = 4096
-    assert pt.main(["--padding", "--draws", "1", "--tokens", "2048", "4096"]) == 0
+    assert pt.main(["--padding", "--draws", "1", "--tokens", "2560", "4096"]) == 0  # 80 pairs: c5
     out = capsys.readouterr().out
     assert "c5" in out and "c10" in out
