@@ -10,7 +10,8 @@
 #   BENCH="--prefill --models 120b,20b --tokens 4096 --sweep-tokens=4096,8192,16384 --cross-tokens= \
 #     --configs 10 --reps 5 --no-stock --deadline 150" BENCH_TIMEOUT=200 scripts/gpu_patch_ab.sh ...
 # Each run's figures are printed from its JSON: decode rows (us per layer), prefill sweep (TFLOP/s),
-# prefill crossover (ms per layer, the decode kernel's and each config's).
+# prefill crossover (ms per layer, the decode kernel's and each config's); at the end, the medians
+# over the rounds (scripts/ab_summary.py, also $OUT_DIR/ab_summary.json).
 set -u
 patch_file=${1:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
 out=${2:?usage: scripts/gpu_patch_ab.sh PATCH OUT_DIR [ROUNDS] [TESTS]}
@@ -54,4 +55,6 @@ PY
     echo "$side round $r: $(( $(date +%s) - t0 )) s"
   done
 done
+# medians over the rounds, patched against main (the decode kernel's rows of a prefill A/B: a control)
+python3 scripts/ab_summary.py "$out" --json "$out/ab_summary.json"
 exit "$rc"
