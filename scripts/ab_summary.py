@@ -3,6 +3,7 @@
 under patched_<r>/ and main_<r>/, per measured point, patched against main.
 
     python3 scripts/ab_summary.py OUT_DIR [--json FILE]
+    python3 scripts/ab_summary.py --round ROUND_DIR    # one round's points and correctness checks
 
 A point is a decode row (µs per layer, lower is better), a prefill sweep row (TFLOP/s, higher is
 better) or a crossover point (ms per layer of the decode kernel and of each config, lower is
@@ -63,6 +64,20 @@ def load(out_dir: str) -> dict[str, dict[int, dict[Key, tuple[float, str, bool]]
     return sides
 
 
+def round_lines(folder: str) -> list[str]:
+    """One round's figures (gpu_patch_ab.sh prints them as each round ends): every point of its
+    moe_*.json files, then each file's correctness checks (path, tokens, relative error)."""
+    lines = []
+    for f in sorted(glob.glob(os.path.join(folder, "moe_*.json"))):
+        with open(f) as fh:
+            d = json.load(fh)
+        for (kind, model, t, what), (v, unit, _) in sorted(points(d).items()):
+            lines.append(f"  {kind:<6} {model:>4} T={t:<6} {what:<7} {v:.4f} {unit}")
+        checks = [(c.get("path"), c.get("tokens"), c.get("rel_err")) for c in d.get("correctness", [])]
+        lines.append(f"  correctness: {checks}")
+    return lines
+
+
 def summarize(sides) -> list[dict]:
     keys = sorted({k for rounds in sides.values() for pts in rounds.values() for k in pts})
     rows = []
@@ -108,7 +123,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", help="gpu_patch_ab.sh's OUT_DIR (patched_<r>/, main_<r>/)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--round", action="store_true", help="out_dir is one round's folder: print its points")
     args = ap.parse_args(argv)
+    if args.round:
+        print("\n".join(round_lines(args.out_dir)))
+        return 0
     rows = summarize(load(args.out_dir))
     if not rows:
         print(f"no paired points under {args.out_dir}", file=sys.stderr)

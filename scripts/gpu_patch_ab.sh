@@ -37,21 +37,7 @@ for r in $(seq 1 "$rounds"); do
     # shellcheck disable=SC2086  # BENCH is a list of arguments
     timeout "${BENCH_TIMEOUT:-150}" python3 bench/moe.py ${BENCH:---models 120b,20b --tokens ${TOKENS:-1} --no-stock \
       --checks ${CHECKS:-1} --reps 12} --out "$out/${side}_$r" 2>&1 | grep -E "rror|FAIL"
-    python3 - "$out/${side}_$r" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/moe_*.json")):
-    d = json.load(open(f))
-    for r in d.get("sweep") or []:
-        print(f"  {r['model']:>4} T={r['tokens']:<6} c{r['config']:<3} {r['tflops']} TFLOP/s")
-    for model, c in (d.get("crossover") or {}).items():
-        for p in c.get("points", []):
-            by = {k: None if v is None else round(v, 4) for k, v in p["prefill_ms_by_config"].items()}
-            print(f"  {model:>4} T={p['tokens']:<6} decode {p['decode_ms'] and round(p['decode_ms'], 4)} ms, prefill {by}")
-    if not d.get("sweep") and not d.get("crossover"):
-        for r in d.get("rows", []):
-            print(f"  {r['model']:>4} T={r['tokens']:<6} {r.get('ours_us')} us")
-    print(f"  correctness: {[(c.get('path'), c.get('tokens'), c.get('rel_err')) for c in d.get('correctness', [])]}")
-PY
+    python3 scripts/ab_summary.py --round "$out/${side}_$r"
     echo "$side round $r: $(( $(date +%s) - t0 )) s"
   done
 done

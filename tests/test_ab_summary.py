@@ -55,6 +55,12 @@ def test_medians_changes_and_paired_wins(tmp_path, capsys):
     one = rows[("decode", "20b", 1, "ours")]
     assert one["rounds"] == 1 and one["unit"] == "us" and one["patched_better"] == 1
 
+    # one round's print (gpu_patch_ab.sh, as each round ends): its points, then its checks
+    lines = ab.round_lines(str(tmp_path / "patched_1"))
+    assert any("decode" in ln and "T=1" in ln and "30.0000 us" in ln for ln in lines)
+    assert any("c7" in ln and "0.5000 ms" in ln for ln in lines)
+    assert sum(ln.startswith("  correctness:") for ln in lines) == 2  # one per JSON file
+
     out = tmp_path / "summary.json"
     assert ab.main([str(tmp_path), "--json", str(out)]) == 0
     assert "-28.6%" in capsys.readouterr().out  # c7: 0.50 against 0.70
